@@ -1,0 +1,138 @@
+"""Analytic cost model of one request under an action (r, k). Imports no torch.
+
+The model charges, in seconds:
+- a store lookup, and for r = 1 the clone of the reused positions (bytes / clone rate);
+- the target prefill of the uncached prompt tokens after the reused ones;
+- for k = 0: one target step per further token;
+- for k > 0: the draft's prefill of its uncached tokens, then rounds of k draft steps
+  plus one target verification of k + 1 tokens, each round advancing E_k(a) tokens.
+
+It is a function of measured timings (``PairTimings``), what the store holds
+(``RequestFeatures``) and the acceptance estimate; the controller and, later, the
+simulator call the same functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+K_CHOICES = (0, 1, 2, 4, 6, 8)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    r: int  # 1: reuse KV state from the prefix store; 0: compute the prompt from scratch
+    k: int  # draft tokens per speculation round; 0: plain greedy decoding
+
+    def __post_init__(self):
+        if self.r not in (0, 1) or self.k < 0:
+            raise ValueError(f"invalid action r={self.r} k={self.k}")
+
+    def __str__(self) -> str:
+        return f"(r={self.r}, k={self.k})"
+
+
+def expected_progress(acceptance: float, k: int) -> float:
+    """E_k(a) = (1 - a^(k+1)) / (1 - a): expected tokens gained per round of draft length k.
+
+    With acceptance a per draft token (geometric), a round accepts min(k, run) tokens and
+    always adds one target token, so k = 0 gives exactly 1 and a = 1 gives k + 1.
+    """
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0 - 1e-12:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def reused_positions(num_prompt_tokens: int, hit_tokens: int, has_logits: bool) -> int:
+    """KV positions taken from a stored entry whose exact common prefix with the prompt is
+    ``hit_tokens`` long.
+
+    An exact repeat (the whole prompt stored together with its next-token logits) reuses
+    every position and runs no prefill. Otherwise at least one prompt token must be fed to
+    get fresh logits, so at most n - 1 positions are reused: a hit covering the whole
+    prompt without stored logits recomputes the boundary token; a shorter hit q reuses all
+    q positions, since the KV of a position depends only on the tokens up to it.
+    """
+    if hit_tokens >= num_prompt_tokens and has_logits:
+        return num_prompt_tokens
+    reused = min(hit_tokens, num_prompt_tokens - 1)
+    return reused if reused >= 1 else 0
+
+
+@dataclass(frozen=True)
+class ModelTimings:
+    """Least-squares fits of one model's forward costs on one machine (seconds)."""
+
+    prefill_fixed_s: float
+    prefill_per_token_s: float  # per new token
+    prefill_per_token_context_s: float  # per (new token x tokens attended), the attention term
+    step_fixed_s: float  # one-token forward at context 0
+    step_per_context_s: float
+    verify_per_token_s: float  # each extra token scored in the same forward
+    kv_bytes_per_token: int
+
+    def prefill_s(self, num_new: int, num_cached: int) -> float:
+        if num_new <= 0:
+            return 0.0
+        attended = num_cached + num_new / 2
+        return (self.prefill_fixed_s + self.prefill_per_token_s * num_new
+                + self.prefill_per_token_context_s * num_new * attended)
+
+    def step_s(self, num_context: int) -> float:
+        return self.step_fixed_s + self.step_per_context_s * num_context
+
+    def verify_s(self, num_tokens: int, num_context: int) -> float:
+        return self.step_s(num_context) + self.verify_per_token_s * max(num_tokens - 1, 0)
+
+
+@dataclass(frozen=True)
+class PairTimings:
+    target: ModelTimings
+    draft: ModelTimings | None
+    clone_s_per_byte: float
+    lookup_s: float
+    acceptance_prior: float  # teacher-forced draft/target agreement measured at calibration
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    """What the controller sees of one request before it runs."""
+
+    num_prompt_tokens: int
+    num_new_tokens: int  # tokens to generate (the request's max_new_tokens)
+    target_hit_tokens: int  # exact common prefix with the store, 0 on a miss
+    draft_hit_tokens: int
+    exact_repeat: bool  # the whole prompt and its logits are stored
+    acceptance: float  # the controller's running estimate for the drafter
+
+
+def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings) -> int:
+    """Peak working KV bytes of the action: every position the caches will hold."""
+    positions = features.num_prompt_tokens + features.num_new_tokens + action.k
+    total = positions * timings.target.kv_bytes_per_token
+    if action.k > 0 and timings.draft is not None:
+        total += positions * timings.draft.kv_bytes_per_token
+    return total
+
+
+def action_cost_s(action: Action, features: RequestFeatures, timings: PairTimings) -> float:
+    """Predicted end-to-end seconds of the request under ``action``."""
+    n, num_new = features.num_prompt_tokens, features.num_new_tokens
+    target = timings.target
+    cost = timings.lookup_s
+    reused = 0
+    if action.r:
+        reused = reused_positions(n, features.target_hit_tokens, features.exact_repeat)
+        cost += timings.clone_s_per_byte * reused * target.kv_bytes_per_token
+    cost += target.prefill_s(n - reused, reused)
+    remaining = max(num_new - 1, 0)  # the first token comes out of the prefill
+    context = n + num_new // 2
+    if action.k == 0 or timings.draft is None:
+        return cost + remaining * target.step_s(context)
+    draft = timings.draft
+    draft_reused = min(features.draft_hit_tokens, n) if action.r else 0
+    cost += timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
+    cost += draft.prefill_s(n + 1 - draft_reused, draft_reused)
+    num_rounds = remaining / expected_progress(features.acceptance, action.k)
+    round_s = action.k * draft.step_s(context) + target.verify_s(action.k + 1, context)
+    return cost + num_rounds * round_s

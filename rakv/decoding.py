@@ -1,0 +1,114 @@
+"""Greedy and speculative decoding steps over a Hugging Face causal LM and its KV cache.
+
+A chain of small functions, in the manner of gpt-fast: ``forward`` feeds tokens after the
+cached ones, ``speculative_round`` drafts k tokens and verifies them in one target
+forward. Invariant kept by the engine between calls: the target cache holds every token
+of the sequence but the last, whose logits are the last ones computed; the draft cache
+holds a prefix of that (it catches up at its next forward).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@functools.cache
+def _cache_kwarg(model_class) -> str:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; accept both."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def forward(model, cache: DynamicCache, token_ids: list[int], num_logits: int = 1) -> torch.Tensor:
+    """Feed ``token_ids`` after the cached positions; returns logits [num_logits, vocab]
+    for the last ``num_logits`` fed tokens. The cache grows by len(token_ids)."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # [1, T]
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=num_logits, **{_cache_kwarg(type(model)): cache})
+    return out.logits[0, -num_logits:]
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Argmax of each row of logits [T, vocab] (first index on ties, as torch.argmax)."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def crop_to(cache: DynamicCache, num_positions: int) -> None:
+    """Roll the cache back to its first ``num_positions`` positions."""
+    excess = cache.get_seq_length() - num_positions
+    if excess > 0:
+        cache.crop(-excess)
+
+
+def num_accepted(proposal: list[int], target_ids: list[int], eos_ids: frozenset[int]) -> int:
+    """Leading draft tokens equal to the target's greedy tokens, up to and including an EOS.
+
+    Stopping at an accepted EOS keeps the count equal to min(k, m_t) of the replay, whose
+    run lengths end with the output.
+    """
+    accepted = 0
+    for drafted, wanted in zip(proposal, target_ids):
+        if drafted != wanted:
+            break
+        accepted += 1
+        if drafted in eos_ids:
+            break
+    return accepted
+
+
+@dataclass(frozen=True)
+class Round:
+    """One speculation round, starting at output position ``start``."""
+
+    start: int
+    k: int
+    accepted: int
+    new_ids: tuple[int, ...]  # accepted draft tokens, then the target's token (unless EOS ended it)
+    logits: torch.Tensor  # [vocab] target logits whose argmax is new_ids[-1]
+
+
+def draft_propose(draft, draft_cache: DynamicCache, seq: list[int], k: int) -> list[int]:
+    """k greedy draft tokens after ``seq``. The draft first catches up on the tokens of
+    ``seq`` it has not seen (at least the last one); afterwards its cache holds
+    seq + proposal[:-1]."""
+    logits = forward(draft, draft_cache, seq[draft_cache.get_seq_length():])
+    proposal = greedy(logits)
+    while len(proposal) < k:
+        proposal += greedy(forward(draft, draft_cache, proposal[-1:]))
+    return proposal
+
+
+def speculative_round(target, draft, target_cache: DynamicCache, draft_cache: DynamicCache,
+                      seq: list[int], start: int, k: int, eos_ids: frozenset[int]) -> Round:
+    """Draft k tokens, verify them in one target forward of k + 1 tokens, roll both caches
+    back past the first mismatch. ``seq`` is the whole sequence so far (not modified)."""
+    proposal = draft_propose(draft, draft_cache, seq, k)
+    logits = forward(target, target_cache, seq[-1:] + proposal, k + 1)  # [k+1, vocab]
+    target_ids = greedy(logits)
+    accepted = num_accepted(proposal, target_ids, eos_ids)
+    ended_on_eos = accepted > 0 and proposal[accepted - 1] in eos_ids
+    new_ids = proposal[:accepted] if ended_on_eos else proposal[:accepted] + [target_ids[accepted]]
+    # Both caches keep the sequence minus its (new) last token.
+    num_valid = len(seq) + len(new_ids) - 1
+    crop_to(target_cache, num_valid)
+    crop_to(draft_cache, num_valid)
+    last = len(new_ids) - 1 if ended_on_eos else accepted
+    return Round(start, k, accepted, tuple(new_ids), logits[last])
+
+
+@torch.inference_mode()
+def teacher_forced_argmax(model, token_ids: list[int]) -> list[int]:
+    """Greedy next-token of ``model`` at every position of ``token_ids`` in one forward."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    return model(input_ids=ids, use_cache=False).logits[0].argmax(dim=-1).tolist()
+
+
+def draft_agreement(draft, prompt_ids: list[int], output_ids: list[int]) -> list[bool]:
+    """agree[t]: the draft, teacher-forced on prompt + output[:t], predicts output[t]."""
+    if not output_ids:
+        return []
+    predicted = teacher_forced_argmax(draft, prompt_ids + output_ids[:-1])[len(prompt_ids) - 1:]
+    return [p == o for p, o in zip(predicted, output_ids)]

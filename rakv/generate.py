@@ -1,0 +1,132 @@
+"""Command line: run prompts through one engine (one shared prefix store), in order.
+
+    python -m rakv.generate --pair tiny --policy rakv --max-new-tokens 64 "prompt"
+    python -m rakv.generate --pair smollm2 --prompts prompts.jsonl --json
+
+With no prompt it runs a built-in demo on the ``tiny`` pair that shows a cold start, a
+partial hit, an exact repeat and a short prompt hitting a longer stored sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
+from rakv.engine import STORE_MODES, EngineConfig, RequestError
+from rakv.models import BUILTIN_PAIRS, PairError
+
+DEMO_PROMPTS = (
+    "System: you answer in one line.\nUser: what does a KV cache store?",
+    "System: you answer in one line.\nUser: why is greedy decoding deterministic?",
+    "System: you answer in one line.\nUser: what does a KV cache store?",
+    "System: you",
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m rakv.generate",
+        description="Greedy generation with exact cross-request KV reuse and speculative decoding. "
+                    "Output is token-identical to plain greedy decoding of the target under every policy.")
+    p.add_argument("prompt", nargs="*", help="prompt text(s); none: a built-in demo")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="one prompt per line, or JSONL with a 'prompt' field; run in order through one engine")
+    p.add_argument("--pair", default="tiny",
+                   help=f"{', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT] (HF name, directory or .gguf) (default: tiny)")
+    p.add_argument("--policy", default="rakv", help=f"{FIXED_POLICY_HELP} (default: rakv)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per request")
+    p.add_argument("--store", choices=STORE_MODES, default="full",
+                   help="what to keep for later requests: full sequence (default), prompt only (the paper), or off")
+    p.add_argument("--store-budget-mib", type=float, default=512, help="prefix store byte budget (default: 512 MiB)")
+    p.add_argument("--memory-limit-mib", type=float, default=None,
+                   help="rakv: reject actions whose working KV exceeds this (default: no limit)")
+    p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default=None,
+                   help="model dtype (default: float64 for tiny, float32 otherwise)")
+    p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
+    p.add_argument("--draft-layers", type=int, default=4, help="smollm2: layers of the self-speculative draft")
+    p.add_argument("--recalibrate", action="store_true", help="measure timing statistics again")
+    return p.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts is not None:
+        if not args.prompts.is_file():
+            raise ValueError(f"prompts file not found: {args.prompts}")
+        lines = args.prompts.read_text(encoding="utf-8").splitlines()
+        if args.prompts.suffix == ".jsonl":
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    prompts.append(json.loads(line)["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{args.prompts}:{number}: expected a JSON object with a 'prompt' field") from None
+        else:
+            prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.store_budget_mib <= 0:
+        raise ValueError(f"--store-budget-mib must be positive, got {args.store_budget_mib}")
+    if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
+        raise ValueError(f"--memory-limit-mib must be positive, got {args.memory_limit_mib}")
+    if args.policy != "rakv" and fixed_action(args.policy) is None:
+        make_policy(args.policy)  # raises the one-line error naming the choices
+    prompts = read_prompts(args)
+    demo = not prompts
+    if demo:
+        prompts = list(DEMO_PROMPTS)
+    if any(not p for p in prompts):
+        raise RequestError("empty prompt: nothing to condition on")
+
+    from tqdm import tqdm
+    from rakv.calibrate import load_or_calibrate
+    from rakv.engine import Engine
+    from rakv.models import load_pair
+
+    pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers)
+    action = fixed_action(args.policy)
+    if action is not None and action.k > 0 and pair.draft is None:
+        raise ValueError(f"policy {args.policy!r} needs a draft model; pair {args.pair!r} has none")
+    timings = load_or_calibrate(pair, refresh=args.recalibrate) if args.policy == "rakv" else None
+    limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
+    policy = make_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit))
+    engine = Engine(pair, policy, EngineConfig(int(args.store_budget_mib * 2**20), args.store))
+    encoded = [pair.encode(p) for p in prompts]
+    for ids in encoded:  # reject bad input before spending any compute
+        engine.validate(ids, args.max_new_tokens)
+    for ids in tqdm(encoded, desc="requests", unit="req", disable=len(encoded) < 3, file=sys.stderr):
+        result = engine.generate(ids, args.max_new_tokens)
+        text = pair.decode(list(result.output_ids))
+        if args.json:
+            print(json.dumps({**result.to_json(), "text": text}), flush=True)
+            continue
+        num_out = len(result.output_ids)
+        print(f"[{result.request_id}] {result.policy} {result.action} {result.hit_kind} "
+              f"hit={result.hit_tokens}/{result.num_prompt_tokens} ttft={result.ttft_s * 1e3:.1f}ms "
+              f"{num_out / result.e2e_s:.1f} tok/s", file=sys.stderr)
+        print(repr(text) if demo else text, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, PairError, RequestError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Exact prefix index: digest buckets, longest-common-prefix match, byte budget, LRU.
+
+The index holds token ids, byte sizes and an opaque payload per entry; it imports no
+torch, so the simulator can run the very same index over token ids and byte sizes.
+
+Invariants:
+- Digests only *choose candidates*; a hit is always decided by an exact comparison of
+  token ids. A digest collision can cost a miss or a shorter hit, never a wrong prefix.
+- ``total_bytes <= budget_bytes`` after every call returns.
+- LRU order: ``lru_ids()`` lists entries least recently used first. ``insert`` and a
+  touching ``lookup`` hit move the entry to the most-recent end; eviction pops the
+  least-recent end until the new entry fits.
+- Namespaces (one per model fingerprint) never see each other's entries: the namespace is
+  part of every bucket key, compared exactly.
+
+Bucketing: an entry of n tokens is registered under the digests of its first j tokens for
+j = 1 .. min(16, n). A lookup of a prompt P uses the digest of P's first min(16, |P|)
+tokens, so a prompt shorter than 16 tokens finds every stored sequence it prefixes. An
+entry shorter than 16 tokens is found only by prompts no longer than itself (a lookup
+would need up to 16 digests to find it inside a longer prompt; such entries are rare
+and nearly free to recompute).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+BUCKET_TOKENS = 16
+DIGEST_BYTES = 12
+
+
+def prefix_digest(token_ids: np.ndarray) -> bytes:
+    """BLAKE2b-12 of the int64 little-endian bytes of ``token_ids``."""
+    data = np.ascontiguousarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(token_ids, dtype=np.int64).reshape(-1)
+
+
+@dataclass(eq=False)
+class Entry:
+    entry_id: int
+    namespace: str
+    token_ids: np.ndarray  # [num_tokens] int64, never mutated after insert
+    num_bytes: int
+    payload: object = None
+    last_used: int = 0  # logical clock; larger is more recent (tie-break for equal hits)
+    keys: list = field(default_factory=list, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Entry
+    num_tokens: int  # exact longest common prefix with the query, >= 1
+
+
+class PrefixIndex:
+    """Budgeted LRU index of token sequences with exact longest-prefix lookup."""
+
+    def __init__(self, budget_bytes: int, digest: Callable[[np.ndarray], bytes] = prefix_digest):
+        if budget_bytes <= 0:
+            raise ValueError(f"store budget must be positive, got {budget_bytes} bytes")
+        self.budget_bytes = int(budget_bytes)
+        self._digest = digest
+        self._lru: OrderedDict[int, Entry] = OrderedDict()  # least recent first
+        self._buckets: dict[tuple[str, bytes], dict[int, Entry]] = {}
+        self._next_id = 0
+        self._clock = 0
+        self.total_bytes = 0
+        self.num_evictions = 0
+
+    # -- queries -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lru_ids(self) -> list[int]:
+        """Entry ids, least recently used first."""
+        return list(self._lru)
+
+    def entries(self) -> list[Entry]:
+        return list(self._lru.values())
+
+    def lookup(self, namespace: str, token_ids: Sequence[int] | np.ndarray, touch: bool = True) -> Hit | None:
+        """Longest exact prefix of ``token_ids`` held in ``namespace``, or None.
+
+        Ties in length go to the most recently used entry. ``touch`` marks the hit entry
+        as used (moves it to the most-recent end of the LRU order).
+        """
+        query = as_token_array(token_ids)
+        if len(query) == 0:
+            return None
+        key = (namespace, self._digest(query[:BUCKET_TOKENS]))
+        best: Hit | None = None
+        for entry in self._buckets.get(key, {}).values():
+            q = common_prefix_len(entry.token_ids, query)
+            if q == 0:
+                continue  # digest collision
+            if best is None or q > best.num_tokens or (q == best.num_tokens and entry.last_used > best.entry.last_used):
+                best = Hit(entry, q)
+        if best is not None and touch:
+            self.touch(best.entry)
+        return best
+
+    # -- updates -----------------------------------------------------------------
+    def touch(self, entry: Entry) -> None:
+        self._clock += 1
+        entry.last_used = self._clock
+        self._lru.move_to_end(entry.entry_id)
+
+    def insert(self, namespace: str, token_ids: Sequence[int] | np.ndarray, num_bytes: int,
+               payload: object = None) -> Entry | None:
+        """Insert an entry, evicting least-recently-used entries until it fits.
+
+        Returns None (and changes nothing) when the entry alone exceeds the budget.
+        """
+        tokens = as_token_array(token_ids).copy()
+        if len(tokens) == 0:
+            raise ValueError("cannot store an empty token sequence")
+        if num_bytes > self.budget_bytes:
+            return None
+        while self.total_bytes + num_bytes > self.budget_bytes:
+            self.remove(next(iter(self._lru.values())))
+            self.num_evictions += 1
+        entry = Entry(self._next_id, namespace, tokens, int(num_bytes), payload)
+        self._next_id += 1
+        # dict.fromkeys: colliding digests (or a patched constant one) register one key once
+        entry.keys = list(dict.fromkeys(
+            (namespace, self._digest(tokens[:j])) for j in range(1, min(BUCKET_TOKENS, len(tokens)) + 1)))
+        for key in entry.keys:
+            self._buckets.setdefault(key, {})[entry.entry_id] = entry
+        self._lru[entry.entry_id] = entry
+        self.total_bytes += entry.num_bytes
+        self.touch(entry)
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        del self._lru[entry.entry_id]
+        for key in entry.keys:
+            bucket = self._buckets[key]
+            del bucket[entry.entry_id]
+            if not bucket:
+                del self._buckets[key]
+        entry.keys = []
+        self.total_bytes -= entry.num_bytes
