@@ -106,10 +106,10 @@ class KVStore:
         if num == 0 or cache.get_seq_length() < num:
             raise ValueError(f"cache holds {cache.get_seq_length()} positions, cannot store {num}")
         logits = dict(logits_by_len)
-        existing = self.index.lookup(fingerprint, tokens, touch=False)
+        existing = self.lookup(fingerprint, tokens)
         if existing is not None and existing.num_tokens == num and existing.entry.num_tokens >= num:
             # Already held inside a stored sequence: only new logits can be worth adding.
-            old: StoredKV = existing.entry.payload
+            old = existing.payload
             if all(old.logits_at(n) is not None for n in logits):
                 self.index.touch(existing.entry)
                 return True

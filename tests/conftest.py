@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny pair (float64), the SmolLM2 pair, and the HF greedy oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rakv.controller import make_policy
+from rakv.cost_model import K_CHOICES
+
+FIXED_POLICIES = ("ar", "kv-only") + tuple(f"{kind}-k{k}" for kind in ("spec", "joint") for k in K_CHOICES[1:])
+ALL_POLICIES = FIXED_POLICIES + ("rakv",)
+SMOLLM2_MAX_CONTEXT = 320  # a cap below the model's 8192 positions keeps near-max prompts cheap on a CPU
+
+
+def hf_greedy(pair, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: Hugging Face generate(do_sample=False) of the target alone."""
+    max_new_tokens = min(max_new_tokens, pair.max_positions - len(prompt_ids))
+    ids = torch.tensor([prompt_ids])
+    out = pair.target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                               max_new_tokens=max_new_tokens, pad_token_id=next(iter(pair.eos_token_ids), 0))
+    return out[0, len(prompt_ids):].tolist()
+
+
+def policy_for(name: str, pair):
+    timings = None
+    if name == "rakv":
+        from rakv.calibrate import load_or_calibrate
+        timings = load_or_calibrate(pair)
+    return make_policy(name, timings)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    from rakv.models import load_pair
+    return load_pair("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_pair():
+    from rakv.models import load_pair
+    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT)
