@@ -8,9 +8,7 @@ import pytest
 
 from conftest import ALL_POLICIES, hf_greedy, policy_for
 from prompt_mix import prompt_mix
-from rakv.acceptance import replay_rounds, run_lengths
-from rakv.cost_model import K_CHOICES
-from rakv.decoding import draft_agreement
+from engine_checks import assert_rounds_replay, run_mix
 from rakv.engine import Engine, EngineConfig
 from rakv.kv_store import KVStore
 
@@ -23,32 +21,11 @@ def mix(tiny_pair):
     return prompts, [hf_greedy(tiny_pair, p, MAX_NEW_TOKENS) for p in prompts]
 
 
-def run_mix(pair, policy_name, prompts, store=None, config=EngineConfig()):
-    engine = Engine(pair, policy_for(policy_name, pair), config, store)
-    return [engine.generate(p, MAX_NEW_TOKENS) for p in prompts]
-
-
-def assert_rounds_replay(pair, prompts, results):
-    """Engine rounds == replay of min(k, m_t) from one teacher-forced draft pass."""
-    checked = 0
-    for prompt, result in zip(prompts, results):
-        if result.action.k == 0:
-            assert result.rounds == ()
-            continue
-        output = list(result.output_ids)
-        lengths = run_lengths(draft_agreement(pair.draft, prompt, output), max(K_CHOICES))
-        max_new = min(MAX_NEW_TOKENS, pair.max_positions - len(prompt))
-        expected = replay_rounds(lengths, result.action.k, len(output), max_new)
-        assert [(r.start, r.k, r.accepted) for r in result.rounds] == expected
-        checked += len(expected)
-    return checked
-
-
 @pytest.mark.parametrize("policy_name", ALL_POLICIES)
 def test_policy_matches_hf_greedy(tiny_pair, mix, policy_name):
     prompts, oracle = mix
     assert len(prompts) >= 50
-    results = run_mix(tiny_pair, policy_name, prompts)
+    results = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS)
     for i, (result, expected) in enumerate(zip(results, oracle)):
         assert list(result.output_ids) == expected, f"prompt {i} ({result.hit_kind}, {result.action})"
     kinds = {r.hit_kind for r in results}
@@ -56,7 +33,7 @@ def test_policy_matches_hf_greedy(tiny_pair, mix, policy_name):
         assert {"miss", "partial", "exact"} <= kinds
         short_hits = [r for r in results if r.num_prompt_tokens < 16 and r.hit_tokens == r.num_prompt_tokens]
         assert short_hits, "a prompt under 16 tokens should hit the stored sequence it prefixes"
-    rounds = assert_rounds_replay(tiny_pair, prompts, results)
+    rounds = assert_rounds_replay(tiny_pair, prompts, results, MAX_NEW_TOKENS)
     if results[0].action.k > 0 and policy_name != "rakv":
         assert rounds > len(prompts)
         assert 0 < sum(sum(r.accepted_per_round) for r in results) < sum(r.k for res in results for r in res.rounds)
@@ -77,7 +54,7 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
 
     monkeypatch.setattr(store, "lookup", checked_lookup)
     for policy_name in ("kv-only", "joint-k4"):
-        results = run_mix(tiny_pair, policy_name, prompts, store=store)
+        results = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS, store=store)
         assert [list(r.output_ids) for r in results] == oracle
     assert len(store.index._buckets) <= 2  # one bucket per model namespace
     assert len(seen) > len(prompts)
@@ -85,7 +62,7 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
 
 def test_store_prompt_mode_matches(tiny_pair, mix):
     prompts, oracle = mix
-    results = run_mix(tiny_pair, "joint-k2", prompts, config=EngineConfig(store_mode="prompt"))
+    results = run_mix(tiny_pair, "joint-k2", prompts, MAX_NEW_TOKENS, config=EngineConfig(store_mode="prompt"))
     assert [list(r.output_ids) for r in results] == oracle
     assert any(r.hit_kind == "exact" for r in results)
 

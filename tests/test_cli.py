@@ -1,0 +1,86 @@
+"""The command line: text and JSON output, prompts files, one-line errors with exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rakv.generate import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_main(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_output_fields(capsys):
+    code, out, _ = run_main(capsys, "--pair", "tiny", "--policy", "joint-k4", "--max-new-tokens", "16",
+                            "--json", "hello world", "hello world")
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        for key in ("policy", "action", "hit_tokens", "ttft_s", "e2e_s", "output_ids", "accepted_per_round"):
+            assert key in row
+        assert row["action"] == {"r": 1, "k": 4}
+        assert len(row["output_ids"]) == 16
+    assert rows[1]["hit_kind"] == "exact" and rows[1]["output_ids"] == rows[0]["output_ids"]
+
+
+def test_prompts_files_share_one_store(tmp_path, capsys):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "The cat sat on the mat."}\n{"prompt": "The cat sat on the mat. Then"}\n')
+    code, out, _ = run_main(capsys, "--prompts", str(jsonl), "--policy", "kv-only", "--json", "--max-new-tokens", "4")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["hit_kind"] for r in rows] == ["miss", "partial"]
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    code, out, _ = run_main(capsys, "--prompts", str(text), "--policy", "ar", "--max-new-tokens", "4")
+    assert code == 0 and len(out.splitlines()) >= 2
+
+
+def test_default_runs_the_demo(capsys):
+    code, out, err = run_main(capsys)
+    assert code == 0
+    assert "exact" in err and "partial" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pair", "tiny", ""], "empty prompt"),
+    (["--pair", "tiny", "x" * 400], "maximum is 256 positions"),
+    (["--pair", "nope-not-a-model", "hi"], "cannot load 'nope-not-a-model'"),
+    (["--policy", "spec-k3", "hi"], "unknown policy 'spec-k3'"),
+    (["--policy", "fastest", "hi"], "unknown policy 'fastest'"),
+    (["--store-budget-mib", "0", "hi"], "must be positive"),
+    (["--store-budget-mib", "-5", "hi"], "must be positive"),
+    (["--max-new-tokens", "0", "hi"], "at least 1"),
+    (["--memory-limit-mib", "0.0001", "hi"], "no action fits the memory limit"),
+    (["--prompts", "/nonexistent/prompts.txt"], "prompts file not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_bad_jsonl_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    code, _, err = run_main(capsys, "--prompts", str(bad))
+    assert code == 2 and f"{bad}:2:" in err
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "rakv.generate", "--policy", "nope", "hi"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown policy 'nope'")
+    assert "Traceback" not in proc.stderr
