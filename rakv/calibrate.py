@@ -2,8 +2,8 @@
 
 Measures, for target and draft: prefill at several lengths and cached contexts, one-token
 steps at two contexts, verification of 2..9 tokens; the store's clone rate and lookup
-time; and the draft's teacher-forced agreement with the target on a built-in text (the
-acceptance prior). Fits are least squares over medians of repeated, warmed-up timings.
+time; the prompt-lookup proposal time; and each drafter's agreement with the target's
+greedy continuation of a built-in text (the acceptance priors). Fits are least squares over medians of repeated, warmed-up timings.
 
 Results are cached per (machine, model fingerprints) as JSON under
 ``<cache root>/calibration/``; traces replace this source of timings once they exist.
@@ -22,12 +22,13 @@ import torch
 from transformers import DynamicCache
 
 from rakv.cost_model import ModelTimings, PairTimings
+from rakv.drafters import ngram_propose, ngram_run_lengths
 from rakv.decoding import crop_to, draft_agreement, forward, greedy
 from rakv.kv_store import KVStore
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 SAMPLE_TEXT = (
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
     "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
@@ -109,17 +110,17 @@ def time_store(model, repeats: int) -> tuple[float, float]:
     return clone_s / num_bytes, lookup_s
 
 
-def acceptance_prior(pair: ModelPair, num_tokens: int = 32) -> float:
-    """Draft/target agreement, teacher-forced on the target's greedy continuation of a
-    built-in text: the acceptance speculation would see there."""
-    if pair.draft is None:
-        return 0.0
+def acceptance_priors(pair: ModelPair, num_tokens: int = 32) -> tuple[float, float]:
+    """(draft model, ngram) agreement with the target's greedy continuation of a built-in
+    text: the fraction of positions whose next token the drafter proposes correctly."""
     prompt = pair.encode(SAMPLE_TEXT)[: pair.max_positions - num_tokens]
     cache = DynamicCache()
     output = greedy(forward(pair.target, cache, prompt))
     while len(output) < num_tokens:
         output += greedy(forward(pair.target, cache, output[-1:]))
-    return float(np.mean(draft_agreement(pair.draft, prompt, output)))
+    ngram_lengths, _ = ngram_run_lengths(prompt, output, max_k=1)
+    draft = 0.0 if pair.draft is None else float(np.mean(draft_agreement(pair.draft, prompt, output)))
+    return draft, float(np.mean(ngram_lengths))
 
 
 def calibrate(pair: ModelPair, repeats: int = 3) -> PairTimings:
@@ -127,7 +128,10 @@ def calibrate(pair: ModelPair, repeats: int = 3) -> PairTimings:
         target = time_model(pair.target, pair.max_positions, repeats)
         draft = None if pair.draft is None else time_model(pair.draft, pair.max_positions, repeats)
         clone_s_per_byte, lookup_s = time_store(pair.target, repeats)
-    return PairTimings(target, draft, clone_s_per_byte, lookup_s, acceptance_prior(pair))
+    history = np.random.default_rng(0).integers(0, 64, size=1024).tolist()
+    ngram_lookup_s = _median_s(lambda: ngram_propose(history, 8), repeats)
+    draft_prior, ngram_prior = acceptance_priors(pair)
+    return PairTimings(target, draft, clone_s_per_byte, lookup_s, draft_prior, ngram_lookup_s, ngram_prior)
 
 
 def calibration_path(pair: ModelPair) -> Path:
@@ -156,4 +160,5 @@ def timings_from_json(data: dict) -> PairTimings:
     return PairTimings(
         target=ModelTimings(**data["target"]), draft=None if draft is None else ModelTimings(**draft),
         clone_s_per_byte=data["clone_s_per_byte"], lookup_s=data["lookup_s"],
-        acceptance_prior=data["acceptance_prior"])
+        acceptance_prior=data["acceptance_prior"], ngram_lookup_s=data["ngram_lookup_s"],
+        ngram_acceptance_prior=data["ngram_acceptance_prior"])

@@ -1,11 +1,13 @@
-"""Policies: per request, choose whether to reuse stored KV (r) and the draft length (k).
+"""Policies: per request, choose whether to reuse stored KV (r), the drafter and the
+draft length (k).
 
 One interface serves the engine and the simulator: ``decide(features) -> Action`` before a
 request runs and ``observe(outcome)`` after it. Imports no torch.
 
-Fixed policies: ``ar`` (0,0), ``kv-only`` (1,0), ``spec-kN`` (0,N), ``joint-kN`` (1,N).
+Fixed policies: ``ar`` (0,0), ``kv-only`` (1,0), ``spec-kN`` (0,N), ``joint-kN`` (1,N)
+with the draft model, ``ngram-kN`` (0,N) and ``joint-ngram-kN`` (1,N) with prompt lookup.
 The adaptive policy ``rakv`` prices every action with the analytic cost model under an
-EWMA of the drafter's acceptance, drops actions whose working KV would exceed the memory
+EWMA of each drafter's acceptance, drops actions whose working KV would exceed the memory
 limit, and picks the cheapest (ties: fewer draft tokens, then no reuse).
 """
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Protocol
 
 from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes,
                              action_cost_s)
+from rakv.drafters import DRAFT_MODEL, NGRAM
 
-FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN (N in 1, 2, 4, 6, 8), rakv"
+FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN, ngram-kN, joint-ngram-kN (N in 1, 2, 4, 6, 8), rakv"
 
 
 @dataclass(frozen=True)
@@ -75,23 +78,23 @@ class CostModelPolicy:
     timings: PairTimings
     config: ControllerConfig = field(default_factory=ControllerConfig)
     name: str = "rakv"
-    acceptance: float = -1.0  # EWMA; starts at the calibration prior
 
     def __post_init__(self):
-        if self.acceptance < 0:
-            self.acceptance = self.timings.acceptance_prior
-        has_draft = self.timings.draft is not None
-        self.actions = tuple(Action(r, k) for k in K_CHOICES for r in (0, 1) if k == 0 or has_draft)
+        drafters = ((DRAFT_MODEL,) if self.timings.draft is not None else ()) + (NGRAM,)
+        # EWMA of each drafter's per-token acceptance, from the calibration priors
+        self.acceptance = {d: self.timings.prior(d) for d in drafters}
+        self.actions = tuple(Action(r, 0) for r in (0, 1)) + tuple(
+            Action(r, k, d) for d in drafters for k in K_CHOICES[1:] for r in (0, 1))
 
     def decide(self, features: RequestFeatures) -> Action:
         return self.rank(features)[0][1]
 
     def rank(self, features: RequestFeatures) -> list[tuple[float, Action]]:
         """Feasible actions with their predicted seconds, cheapest first."""
-        features = replace(features, acceptance=self.acceptance)
         limit = self.config.memory_limit_bytes
         ranked = sorted(
-            (action_cost_s(action, features, self.timings), action.k, action.r, action)
+            (action_cost_s(action, replace(features, acceptance=self.acceptance.get(action.drafter, 0.0)),
+                           self.timings), action.k, action.r, action)
             for action in self.actions
             if limit is None or action_bytes(action, features, self.timings) <= limit)
         if not ranked:
@@ -102,12 +105,13 @@ class CostModelPolicy:
 
     def observe(self, outcome: RequestOutcome) -> None:
         rate = acceptance_from_rounds(outcome.accepted_per_round, outcome.k_per_round)
-        if rate is not None:
+        drafter = outcome.action.drafter
+        if rate is not None and drafter in self.acceptance:
             beta = self.config.ewma_decay
-            self.acceptance = (1 - beta) * self.acceptance + beta * rate
+            self.acceptance[drafter] = (1 - beta) * self.acceptance[drafter] + beta * rate
 
 
-_FIXED = re.compile(r"^(spec|joint)-k(\d+)$")
+_FIXED = re.compile(r"^(spec|joint|ngram|joint-ngram)-k(\d+)$")
 
 
 def fixed_action(name: str) -> Action | None:
@@ -118,7 +122,8 @@ def fixed_action(name: str) -> Action | None:
         return Action(1, 0)
     m = _FIXED.match(name)
     if m and int(m.group(2)) in K_CHOICES[1:]:
-        return Action(1 if m.group(1) == "joint" else 0, int(m.group(2)))
+        kind = m.group(1)
+        return Action(int(kind.startswith("joint")), int(m.group(2)), NGRAM if kind.endswith("ngram") else DRAFT_MODEL)
     return None
 
 

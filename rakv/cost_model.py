@@ -1,11 +1,12 @@
-"""Analytic cost model of one request under an action (r, k). Imports no torch.
+"""Analytic cost model of one request under an action (r, drafter, k). Imports no torch.
 
 The model charges, in seconds:
 - a store lookup, and for r = 1 the clone of the reused positions (bytes / clone rate);
 - the target prefill of the uncached prompt tokens after the reused ones;
 - for k = 0: one target step per further token;
-- for k > 0: the draft's prefill of its uncached tokens, then rounds of k draft steps
-  plus one target verification of k + 1 tokens, each round advancing E_k(a) tokens.
+- for k > 0: rounds of one target verification of k + 1 tokens, each round advancing
+  E_k(a) tokens, plus the drafter's cost: for the draft model its prefill of its
+  uncached tokens and k draft steps per round; for ``ngram`` one lookup per round.
 
 It is a function of measured timings (``PairTimings``), what the store holds
 (``RequestFeatures``) and the acceptance estimate; the controller and, later, the
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rakv.drafters import DRAFT_MODEL, DRAFTERS, NGRAM
+
 K_CHOICES = (0, 1, 2, 4, 6, 8)
 
 
@@ -22,12 +25,17 @@ K_CHOICES = (0, 1, 2, 4, 6, 8)
 class Action:
     r: int  # 1: reuse KV state from the prefix store; 0: compute the prompt from scratch
     k: int  # draft tokens per speculation round; 0: plain greedy decoding
+    drafter: str = DRAFT_MODEL  # who proposes the k tokens (ignored when k = 0)
 
     def __post_init__(self):
-        if self.r not in (0, 1) or self.k < 0:
-            raise ValueError(f"invalid action r={self.r} k={self.k}")
+        if self.r not in (0, 1) or self.k < 0 or self.drafter not in DRAFTERS:
+            raise ValueError(f"invalid action r={self.r} k={self.k} drafter={self.drafter!r}")
+        if self.k == 0 and self.drafter != DRAFT_MODEL:
+            object.__setattr__(self, "drafter", DRAFT_MODEL)  # one k = 0 action, whoever asks
 
     def __str__(self) -> str:
+        if self.drafter == NGRAM:
+            return f"(r={self.r}, ngram k={self.k})"
         return f"(r={self.r}, k={self.k})"
 
 
@@ -92,6 +100,11 @@ class PairTimings:
     clone_s_per_byte: float
     lookup_s: float
     acceptance_prior: float  # teacher-forced draft/target agreement measured at calibration
+    ngram_lookup_s: float = 0.0  # one prompt-lookup proposal
+    ngram_acceptance_prior: float = 0.0
+
+    def prior(self, drafter: str) -> float:
+        return self.ngram_acceptance_prior if drafter == NGRAM else self.acceptance_prior
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,7 @@ def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings
     """Peak working KV bytes of the action: every position the caches will hold."""
     positions = features.num_prompt_tokens + features.num_new_tokens + action.k
     total = positions * timings.target.kv_bytes_per_token
-    if action.k > 0 and timings.draft is not None:
+    if action.k > 0 and action.drafter == DRAFT_MODEL and timings.draft is not None:
         total += positions * timings.draft.kv_bytes_per_token
     return total
 
@@ -127,12 +140,16 @@ def action_cost_s(action: Action, features: RequestFeatures, timings: PairTiming
     cost += target.prefill_s(n - reused, reused)
     remaining = max(num_new - 1, 0)  # the first token comes out of the prefill
     context = n + num_new // 2
-    if action.k == 0 or timings.draft is None:
+    if action.k == 0:
         return cost + remaining * target.step_s(context)
+    num_rounds = remaining / expected_progress(features.acceptance, action.k)
+    round_s = target.verify_s(action.k + 1, context)
+    if action.drafter == NGRAM:
+        return cost + num_rounds * (round_s + timings.ngram_lookup_s)
     draft = timings.draft
+    if draft is None:
+        raise ValueError("a draft-model action needs the draft's timings")
     draft_reused = min(features.draft_hit_tokens, n) if action.r else 0
     cost += timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
     cost += draft.prefill_s(n + 1 - draft_reused, draft_reused)
-    num_rounds = remaining / expected_progress(features.acceptance, action.k)
-    round_s = action.k * draft.step_s(context) + target.verify_s(action.k + 1, context)
-    return cost + num_rounds * round_s
+    return cost + num_rounds * (round_s + action.k * draft.step_s(context))

@@ -1,10 +1,10 @@
 """Greedy and speculative decoding steps over a Hugging Face causal LM and its KV cache.
 
 A chain of small functions, in the manner of gpt-fast: ``forward`` feeds tokens after the
-cached ones, ``speculative_round`` drafts k tokens and verifies them in one target
-forward. Invariant kept by the engine between calls: the target cache holds every token
-of the sequence but the last, whose logits are the last ones computed; the draft cache
-holds a prefix of that (it catches up at its next forward).
+cached ones, ``speculative_round`` has a drafter propose k tokens and verifies them in one
+target forward. Invariant kept by the engine between calls: the target cache holds every
+token of the sequence but the last, whose logits are the last ones computed; a draft
+model's cache holds a prefix of that (it catches up at its next forward).
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+
+from rakv.drafters import DRAFT_MODEL, Drafter
 
 
 @functools.cache
@@ -64,7 +66,8 @@ class Round:
     """One speculation round, starting at output position ``start``."""
 
     start: int
-    k: int
+    k: int  # draft length asked for
+    num_proposed: int  # tokens the drafter proposed (ngram: possibly fewer than k, or none)
     accepted: int
     new_ids: tuple[int, ...]  # accepted draft tokens, then the target's token (unless EOS ended it)
     logits: torch.Tensor  # [vocab] target logits whose argmax is new_ids[-1]
@@ -81,22 +84,39 @@ def draft_propose(draft, draft_cache: DynamicCache, seq: list[int], k: int) -> l
     return proposal
 
 
-def speculative_round(target, draft, target_cache: DynamicCache, draft_cache: DynamicCache,
-                      seq: list[int], start: int, k: int, eos_ids: frozenset[int]) -> Round:
-    """Draft k tokens, verify them in one target forward of k + 1 tokens, roll both caches
-    back past the first mismatch. ``seq`` is the whole sequence so far (not modified)."""
-    proposal = draft_propose(draft, draft_cache, seq, k)
-    logits = forward(target, target_cache, seq[-1:] + proposal, k + 1)  # [k+1, vocab]
+class DraftModelDrafter:
+    """A draft model with its own cache, which may start from a stored prefix."""
+
+    name = DRAFT_MODEL
+
+    def __init__(self, model, cache: DynamicCache):
+        self.model = model
+        self.cache = cache
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        return draft_propose(self.model, self.cache, seq, k)
+
+    def rollback(self, num_valid: int) -> None:
+        crop_to(self.cache, num_valid)
+
+
+def speculative_round(target, drafter: Drafter, target_cache: DynamicCache, seq: list[int],
+                      start: int, k: int, eos_ids: frozenset[int]) -> Round:
+    """Draft up to k tokens, verify them in one target forward, roll the target cache and
+    the drafter back past the first mismatch. ``seq`` is the sequence so far (not
+    modified). An empty proposal makes this one plain target step."""
+    proposal = drafter.propose(seq, k)
+    logits = forward(target, target_cache, seq[-1:] + proposal, len(proposal) + 1)  # [len+1, vocab]
     target_ids = greedy(logits)
     accepted = num_accepted(proposal, target_ids, eos_ids)
     ended_on_eos = accepted > 0 and proposal[accepted - 1] in eos_ids
     new_ids = proposal[:accepted] if ended_on_eos else proposal[:accepted] + [target_ids[accepted]]
-    # Both caches keep the sequence minus its (new) last token.
+    # The caches keep the sequence minus its (new) last token.
     num_valid = len(seq) + len(new_ids) - 1
     crop_to(target_cache, num_valid)
-    crop_to(draft_cache, num_valid)
+    drafter.rollback(num_valid)
     last = len(new_ids) - 1 if ended_on_eos else accepted
-    return Round(start, k, accepted, tuple(new_ids), logits[last])
+    return Round(start, k, len(proposal), accepted, tuple(new_ids), logits[last])
 
 
 @torch.inference_mode()

@@ -1,7 +1,7 @@
 """The engine: one request at a time, exact KV reuse across requests, per-request action.
 
 Per request: look the prompt up in the store (target and draft separately), let the
-policy choose (r, k), prefill what is not reused, decode greedily (k = 0) or in
+policy choose (r, drafter, k), prefill what is not reused, decode greedily (k = 0) or in
 speculation rounds, then store the sequence's KV for later requests. Every action gives
 the target's plain greedy output; only the time differs.
 """
@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from rakv.acceptance import round_draft_length
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures, reused_positions
-from rakv.decoding import crop_to, forward, greedy, speculative_round
+from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
+from rakv.drafters import DRAFT_MODEL, NgramConfig, NgramDrafter
 from rakv.kv_store import DEFAULT_BUDGET_BYTES, KVStore, StoreHit
 from rakv.models import ModelPair
 
@@ -30,6 +31,7 @@ class RequestError(ValueError):
 class EngineConfig:
     store_budget_bytes: int = DEFAULT_BUDGET_BYTES
     store_mode: str = "full"  # full: prompt and output; prompt: the paper's; off: store nothing
+    ngram: NgramConfig = NgramConfig()
 
     def __post_init__(self):
         if self.store_budget_bytes <= 0:
@@ -41,7 +43,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class RoundRecord:
     start: int  # output position of the round's first drafted token
-    k: int
+    k: int  # draft length asked for
+    num_proposed: int  # tokens proposed (a draft model always proposes k)
     accepted: int
 
 
@@ -67,10 +70,11 @@ class RequestResult:
 
     def to_json(self) -> dict:
         row = asdict(self)
-        row["action"] = {"r": self.action.r, "k": self.action.k}
+        row["action"] = {"r": self.action.r, "k": self.action.k, "drafter": self.action.drafter}
         row["output_ids"] = list(self.output_ids)
         row["accepted_per_round"] = self.accepted_per_round
         row["k_per_round"] = [r.k for r in self.rounds]
+        row["proposed_per_round"] = [r.num_proposed for r in self.rounds]
         del row["rounds"]
         return row
 
@@ -96,8 +100,8 @@ class Engine:
         max_new = min(max_new_tokens, self.max_positions - n)
         features, hit, draft_hit = self.features(prompt, max_new)
         action = self.policy.decide(features)
-        if action.k > 0 and self.pair.draft is None:
-            raise RequestError(f"policy {self.policy.name!r} chose k={action.k} but pair {self.pair.name!r} has no draft")
+        if action.k > 0 and action.drafter == DRAFT_MODEL and self.pair.draft is None:
+            raise RequestError(f"policy {self.policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
         decide_s = time.perf_counter() - start
 
         target_cache, logits, reused, hit_kind = self._prefill(prompt, hit if action.r else None)
@@ -105,10 +109,7 @@ class Engine:
         seq = prompt + greedy(logits[None])
         ttft_s = time.perf_counter() - start
 
-        draft_cache, draft_reused = None, 0
-        if action.k > 0:
-            draft_reused = min(draft_hit.num_tokens, n) if (action.r and draft_hit) else 0
-            draft_cache = (self.store.restore(draft_hit, draft_reused) if draft_reused else DynamicCache())
+        drafter, draft_reused = self._drafter(action, n, draft_hit)
         rounds: list[RoundRecord] = []
         eos = self.pair.eos_token_ids
         while seq[-1] not in eos and len(seq) - n < max_new:
@@ -117,12 +118,12 @@ class Engine:
                 logits = forward(self.pair.target, target_cache, seq[-1:])[0]
                 seq += greedy(logits[None])
                 continue
-            rnd = speculative_round(self.pair.target, self.pair.draft, target_cache, draft_cache,
-                                    seq, len(seq) - n, k, eos)
-            rounds.append(RoundRecord(rnd.start, rnd.k, rnd.accepted))
+            rnd = speculative_round(self.pair.target, drafter, target_cache, seq, len(seq) - n, k, eos)
+            rounds.append(RoundRecord(rnd.start, rnd.k, rnd.num_proposed, rnd.accepted))
             seq += rnd.new_ids
             logits = rnd.logits
 
+        draft_cache = drafter.cache if isinstance(drafter, DraftModelDrafter) else None
         self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: logits}, draft_cache)
         result = RequestResult(
             request_id=self.num_requests, policy=self.policy.name, action=action,
@@ -158,6 +159,16 @@ class Engine:
         if max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return prompt
+
+    def _drafter(self, action: Action, num_prompt: int, draft_hit: StoreHit | None):
+        """The request's drafter and the draft-model positions it reuses from the store."""
+        if action.k == 0:
+            return None, 0
+        if action.drafter != DRAFT_MODEL:
+            return NgramDrafter(self.config.ngram), 0
+        reused = min(draft_hit.num_tokens, num_prompt) if (action.r and draft_hit) else 0
+        cache = self.store.restore(draft_hit, reused) if reused else DynamicCache()
+        return DraftModelDrafter(self.pair.draft, cache), reused
 
     def _prefill(self, prompt: list[int], hit: StoreHit | None):
         """Target cache holding the prompt, the logits after it, positions reused, hit kind."""

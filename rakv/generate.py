@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
+from rakv.drafters import DRAFT_MODEL, NgramConfig
 from rakv.engine import STORE_MODES, EngineConfig, RequestError
 from rakv.models import BUILTIN_PAIRS, PairError
 
@@ -46,7 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default=None,
                    help="model dtype (default: float64 for tiny, float32 otherwise)")
     p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
-    p.add_argument("--draft-layers", type=int, default=4, help="smollm2: layers of the self-speculative draft")
+    p.add_argument("--draft-layers", type=int, default=4,
+                   help="smollm2: layers of the self-speculative draft; 0: no draft model (default: 4)")
+    p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram searched (default: 3)")
+    p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram searched (default: 1)")
     p.add_argument("--recalibrate", action="store_true", help="measure timing statistics again")
     return p.parse_args(argv)
 
@@ -93,12 +97,14 @@ def run(args: argparse.Namespace) -> int:
 
     pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers)
     action = fixed_action(args.policy)
-    if action is not None and action.k > 0 and pair.draft is None:
-        raise ValueError(f"policy {args.policy!r} needs a draft model; pair {args.pair!r} has none")
+    if action is not None and action.k > 0 and action.drafter == DRAFT_MODEL and pair.draft is None:
+        raise ValueError(f"policy {args.policy!r} needs a draft model; pair {args.pair!r} has none "
+                         f"(the ngram policies need none)")
     timings = load_or_calibrate(pair, refresh=args.recalibrate) if args.policy == "rakv" else None
     limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
     policy = make_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit))
-    engine = Engine(pair, policy, EngineConfig(int(args.store_budget_mib * 2**20), args.store))
+    ngram = NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
+    engine = Engine(pair, policy, EngineConfig(int(args.store_budget_mib * 2**20), args.store, ngram))
     encoded = [pair.encode(p) for p in prompts]
     for ids in encoded:  # reject bad input before spending any compute
         engine.validate(ids, args.max_new_tokens)

@@ -176,7 +176,9 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
     elif spec == "smollm2":
         path = _resolve(model_files, "smollm2")
         target, tokenizer = _load_hf(str(path), torch_dtype)
-        draft = layer_prefix_draft(target, draft_layers)
+        if not 0 <= draft_layers < target.config.num_hidden_layers:
+            raise PairError(f"--draft-layers must be in 0..{target.config.num_hidden_layers - 1}, got {draft_layers}")
+        draft = layer_prefix_draft(target, draft_layers) if draft_layers else None
         sources = (str(path), f"{path}[:{draft_layers} layers]")
     elif spec == "qwen-coder":
         target_path = _resolve(model_files, "qwen-coder-1.5b")

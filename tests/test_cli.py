@@ -28,7 +28,7 @@ def test_json_output_fields(capsys):
     for row in rows:
         for key in ("policy", "action", "hit_tokens", "ttft_s", "e2e_s", "output_ids", "accepted_per_round"):
             assert key in row
-        assert row["action"] == {"r": 1, "k": 4}
+        assert row["action"] == {"r": 1, "k": 4, "drafter": "draft"}
         assert len(row["output_ids"]) == 16
     assert rows[1]["hit_kind"] == "exact" and rows[1]["output_ids"] == rows[0]["output_ids"]
 

@@ -9,14 +9,15 @@ from rakv.controller import (ControllerConfig, CostModelPolicy, RequestOutcome, 
 from rakv.cost_model import Action, ModelTimings, PairTimings, RequestFeatures, action_bytes, expected_progress
 
 
-def timings(draft_step_s: float, prior: float = 0.5) -> PairTimings:
+def timings(draft_step_s: float, prior: float = 0.5, ngram_prior: float = 0.0) -> PairTimings:
     target = ModelTimings(prefill_fixed_s=0.02, prefill_per_token_s=0.001, prefill_per_token_context_s=0.0,
                           step_fixed_s=0.04, step_per_context_s=0.0, verify_per_token_s=0.004,
                           kv_bytes_per_token=1000)
     draft = ModelTimings(prefill_fixed_s=0.005, prefill_per_token_s=0.0002, prefill_per_token_context_s=0.0,
                          step_fixed_s=draft_step_s, step_per_context_s=0.0, verify_per_token_s=0.001,
                          kv_bytes_per_token=250)
-    return PairTimings(target, draft, clone_s_per_byte=1e-10, lookup_s=2e-5, acceptance_prior=prior)
+    return PairTimings(target, draft, clone_s_per_byte=1e-10, lookup_s=2e-5, acceptance_prior=prior,
+                       ngram_lookup_s=2e-5, ngram_acceptance_prior=ngram_prior)
 
 
 def features(hit=0, exact=False, n=200, new=64) -> RequestFeatures:
@@ -36,7 +37,10 @@ def test_fixed_policy_names():
     assert fixed_action("kv-only") == Action(1, 0)
     assert fixed_action("spec-k6") == Action(0, 6)
     assert fixed_action("joint-k8") == Action(1, 8)
+    assert fixed_action("ngram-k4") == Action(0, 4, "ngram")
+    assert fixed_action("joint-ngram-k2") == Action(1, 2, "ngram")
     assert fixed_action("spec-k3") is None
+    assert Action(1, 0, "ngram") == Action(1, 0)
     with pytest.raises(ValueError, match="unknown policy 'x'"):
         make_policy("x")
     with pytest.raises(ValueError, match="needs timing statistics"):
@@ -71,7 +75,7 @@ def test_memory_limit_drops_actions():
 def test_ewma_follows_measured_acceptance():
     policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9), ControllerConfig(ewma_decay=0.5))
     policy.observe(RequestOutcome(Action(0, 4), accepted_per_round=(0, 0, 0, 0), k_per_round=(4, 4, 4, 4)))
-    assert policy.acceptance == pytest.approx(0.45)
+    assert policy.acceptance["draft"] == pytest.approx(0.45)
     for _ in range(10):
         policy.observe(RequestOutcome(Action(0, 4), (0, 0, 0, 0), (4, 4, 4, 4)))
     assert policy.decide(features()).k == 0
@@ -89,3 +93,17 @@ def test_replay_rounds():
     assert lengths == [2, 1, 0, 3, 3, 2, 1, 0, 2, 1]
     # k=2, 10 outputs, max_new 10: rounds start at 1 (accept min(2,1)=1 -> t=3), ...
     assert replay_rounds(lengths, 2, 10, 10) == [(1, 2, 1), (3, 2, 2), (6, 2, 1), (8, 1, 1)]
+
+
+def test_rakv_prefers_a_free_drafter_when_text_repeats():
+    repetitive = CostModelPolicy(timings(draft_step_s=0.03, prior=0.1, ngram_prior=0.7))
+    action = repetitive.decide(features())
+    assert action.drafter == "ngram" and action.k >= 2
+    prose = CostModelPolicy(timings(draft_step_s=0.03, prior=0.1, ngram_prior=0.05))
+    assert prose.decide(features()).k == 0
+
+
+def test_ngram_acceptance_is_tracked_separately():
+    policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9, ngram_prior=0.5), ControllerConfig(ewma_decay=1.0))
+    policy.observe(RequestOutcome(Action(0, 4, "ngram"), (4, 4), (4, 4)))
+    assert policy.acceptance == {"draft": 0.9, "ngram": 1.0}

@@ -1,0 +1,52 @@
+"""The prompt-lookup drafter: exact proposals, identity and exact replay in the engine,
+and a pair with no draft model."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import hf_greedy, policy_for
+from engine_checks import assert_rounds_replay, run_mix
+from rakv.drafters import NgramConfig, ngram_propose, ngram_run_lengths
+from rakv.engine import Engine
+
+
+def test_proposes_what_followed_the_most_recent_occurrence():
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert ngram_propose(seq, 2) == [7, 8]  # "1 2 3" last seen at 4, followed by 7 8
+    assert ngram_propose(seq, 10) == [7, 8, 5, 1, 2, 3]
+    assert ngram_propose([4, 5, 6], 3) == []  # nothing repeats
+    assert ngram_propose([5, 1, 9, 1], 2) == [9, 1]  # falls back to the 1-gram "1"
+    assert ngram_propose([5, 1, 9, 1], 2, NgramConfig(max_ngram=3, min_ngram=2)) == []
+    assert ngram_propose([7], 4) == []
+
+
+def test_longer_ngram_wins_over_a_more_recent_shorter_one():
+    seq = [1, 2, 3, 4, 0, 3, 5, 1, 2, 3]
+    assert ngram_propose(seq, 1) == [4]  # "1 2 3" at 0, not "3" at 5
+
+
+def test_run_lengths():
+    prompt = [1, 2, 3, 4, 1, 2]
+    output = [3, 4, 9]  # "1 2" -> "3 4 1 2": m_0 = 2 (3, 4 match, then 1 != 9)
+    lengths, proposed = ngram_run_lengths(prompt, output, max_k=8)
+    assert lengths[0] == 2 and proposed[0] == 4
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramConfig(max_ngram=1, min_ngram=2)
+
+
+def test_ngram_with_no_draft_model(tiny_pair):
+    pair = dataclasses.replace(tiny_pair, draft=None, draft_fingerprint=None)
+    text = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
+    prompts = [pair.encode(text), pair.encode(text + "x, y):")]
+    for policy_name in ("ngram-k4", "joint-ngram-k8", "rakv"):
+        results = run_mix(pair, policy_name, prompts, 24)
+        for prompt, result in zip(prompts, results):
+            assert list(result.output_ids) == hf_greedy(pair, prompt, 24)
+        assert_rounds_replay(pair, prompts, results, 24)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(pair, policy_for("spec-k4", pair)).generate(prompts[0], 4)
