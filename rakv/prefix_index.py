@@ -5,7 +5,8 @@ torch, so the simulator can run the very same index over token ids and byte size
 
 Invariants:
 - Digests only *choose candidates*; a hit is always decided by an exact comparison of
-  token ids. A digest collision can cost a miss or a shorter hit, never a wrong prefix.
+  token ids. A digest collision only adds candidates (each compared exactly, at the cost
+  of the comparison): it can never produce a wrong prefix.
 - ``total_bytes <= budget_bytes`` after every call returns.
 - LRU order: ``lru_ids()`` lists entries least recently used first. ``insert`` and a
   touching ``lookup`` hit move the entry to the most-recent end; eviction pops the

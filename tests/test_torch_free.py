@@ -1,0 +1,35 @@
+"""The simulator, the policy and the torch-free parts of rakv must import without torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+TORCH_FREE_MODULES = "simulator, policy, rakv.prefix_index, rakv.controller, rakv.cost_model, rakv.acceptance"
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_torch_free_modules_do_not_import_torch():
+    code = (
+        f"import {TORCH_FREE_MODULES}; import sys; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_numpy_is_allowed_in_torch_free_modules():
+    # numpy is an allowed dependency (rakv.prefix_index uses it); importing it next to the
+    # torch-free modules must not pull torch in either.
+    code = (
+        f"import numpy; import {TORCH_FREE_MODULES}; import sys; "
+        "assert 'numpy' in sys.modules; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr
