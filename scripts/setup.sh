@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the project needs into the active Python environment.
 #   bash scripts/setup.sh          # runtime dependencies
-#   bash scripts/setup.sh --test   # plus test tools and the SmolLM2 GGUF (98 MB, verified)
+#   bash scripts/setup.sh --test   # plus test tools, workload data and the SmolLM2 GGUF (98 MB, verified)
 # torch: a machine that already has torch (say a CUDA build) keeps it; otherwise the CPU
 # build 2.13.0 is installed first, so the `torch>=2.4` requirement pulls nothing more.
 set -euo pipefail
@@ -11,7 +11,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 if [ "${1:-}" = "--test" ]; then
-  "$PY" -m pip install --quiet -e ".[test]"
+  "$PY" -m pip install --quiet -e ".[test,data]"
   "$PY" -m rakv.models fetch smollm2
 else
   "$PY" -m pip install --quiet -e .

