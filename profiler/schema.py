@@ -1,0 +1,400 @@
+"""The trace schema: the one place where table and column names are defined. Imports no torch.
+
+Four Parquet tables (DESIGN.md section 3):
+
+- ``requests``: one prompt, its target greedy output and, per drafter, the run length m_t
+  and proposal length at every output position t (section 2): a round at t with draft
+  length k accepts exactly min(k, m_t), so these replay acceptance exactly.
+- ``ops``: one timed operation of one model; ``repeat`` is the 0-based index of the
+  measurement among repeats of the same shape, so the key columns identify a row.
+- ``runs``: one timed end-to-end request under one action (r, drafter, k).
+- ``decisions``: one controller decision: features seen, action chosen, cost predicted,
+  end-to-end seconds measured (NaN when not measured).
+
+Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
+``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
+(``TraceMeta``). Readers accept any minor of their major (a newer minor only adds
+columns) and refuse another major.
+
+``RequestRow``, ``OpRow``, ``RunRow``, ``DecisionRow``: frozen dataclasses whose fields are
+the columns, in order; ``rows_to_table`` / ``table_to_rows`` convert. Sequences are stored
+as tuples, so rows compare equal after a round trip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata as importlib_metadata
+from typing import Mapping, Sequence
+
+import pyarrow as pa
+
+SCHEMA_VERSION = "1.0"
+SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
+META_SCHEMA_VERSION = "rakv.schema_version"
+META_TABLE = "rakv.table"
+META_HARDWARE = "rakv.hardware"
+META_MODELS = "rakv.models"
+META_CONFIG = "rakv.config"
+
+
+class TraceError(ValueError):
+    """A trace that cannot be written or read as asked; the message is one line."""
+
+
+def _table_schema(*columns: tuple[str, pa.DataType]) -> pa.Schema:
+    return pa.schema([pa.field(name, dtype, nullable=False) for name, dtype in columns])
+
+
+RUN_LENGTHS_TYPE = pa.list_(pa.struct([
+    pa.field("drafter", pa.string(), nullable=False),
+    pa.field("max_k", pa.int32(), nullable=False),
+    pa.field("run_lengths", pa.list_(pa.int16()), nullable=False),
+    pa.field("proposal_lengths", pa.list_(pa.int16()), nullable=False),
+]))
+
+TABLES: dict[str, pa.Schema] = {
+    "requests": _table_schema(
+        ("request_id", pa.int64()),
+        ("workload", pa.string()),
+        ("group_id", pa.string()),  # conversation or prefix family
+        ("turn", pa.int32()),
+        ("arrival_s", pa.float64()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),  # the target's greedy output
+        ("max_new_tokens", pa.int32()),
+        ("run_lengths", RUN_LENGTHS_TYPE),  # one entry per drafter
+    ),
+    "ops": _table_schema(
+        ("model", pa.string()),  # target, draft, store, ngram
+        ("op", pa.string()),  # prefill, decode, verify, clone, lookup, insert, propose
+        ("num_new_tokens", pa.int32()),
+        ("num_cached_tokens", pa.int32()),
+        ("k", pa.int32()),
+        ("num_bytes", pa.int64()),
+        ("repeat", pa.int32()),
+        ("seconds", pa.float64()),
+    ),
+    "runs": _table_schema(
+        ("request_id", pa.int64()),
+        ("r", pa.int8()),
+        ("drafter", pa.string()),
+        ("k", pa.int8()),
+        ("hit_tokens", pa.int32()),
+        ("reused_tokens", pa.int32()),
+        ("hit_kind", pa.string()),  # miss, partial, exact
+        ("ttft_s", pa.float64()),
+        ("e2e_s", pa.float64()),
+        ("num_output_tokens", pa.int32()),
+        ("num_rounds", pa.int32()),
+        ("accepted_per_round", pa.list_(pa.int16())),
+        ("k_per_round", pa.list_(pa.int16())),
+        ("proposed_per_round", pa.list_(pa.int16())),
+        ("identical_to_ar", pa.bool_()),
+    ),
+    "decisions": _table_schema(
+        ("request_id", pa.int64()),
+        ("policy", pa.string()),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_new_tokens", pa.int32()),
+        ("target_hit_tokens", pa.int32()),
+        ("draft_hit_tokens", pa.int32()),
+        ("exact_repeat", pa.bool_()),
+        ("acceptance_draft", pa.float64()),
+        ("acceptance_ngram", pa.float64()),
+        ("r", pa.int8()),
+        ("drafter", pa.string()),
+        ("k", pa.int8()),
+        ("predicted_cost_s", pa.float64()),
+        ("measured_e2e_s", pa.float64()),
+    ),
+}
+
+# Columns that identify a row: a recording resumed after a crash skips rows whose key exists.
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "requests": ("request_id",),
+    "ops": ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat"),
+    "runs": ("request_id", "r", "drafter", "k"),
+    "decisions": ("request_id", "policy"),
+}
+
+
+def _freeze(row) -> None:
+    """Store every list field of a frozen dataclass as a tuple (rows compare by value)."""
+    for f in fields(row):
+        value = getattr(row, f.name)
+        if isinstance(value, list):
+            object.__setattr__(row, f.name, tuple(value))
+
+
+@dataclass(frozen=True)
+class DrafterRunLengths:
+    """One drafter's replay data for one request. Invariants: one entry per output position
+    t, and 0 <= run_lengths[t] <= proposal_lengths[t] <= max_k (a draft model always
+    proposes max_k; prompt lookup may propose fewer, or none)."""
+    drafter: str
+    max_k: int
+    run_lengths: tuple[int, ...]
+    proposal_lengths: tuple[int, ...]
+
+    def __post_init__(self):
+        _freeze(self)
+        if len(self.run_lengths) != len(self.proposal_lengths):
+            raise ValueError(f"drafter {self.drafter!r}: {len(self.run_lengths)} run lengths but "
+                             f"{len(self.proposal_lengths)} proposal lengths")
+        for t, (run, proposed) in enumerate(zip(self.run_lengths, self.proposal_lengths)):
+            if not 0 <= run <= proposed <= self.max_k:
+                raise ValueError(f"drafter {self.drafter!r} at t={t}: need 0 <= run length {run} "
+                                 f"<= proposal length {proposed} <= max_k {self.max_k}")
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    """One prompt; ``run_lengths`` holds one ``DrafterRunLengths`` per drafter, each
+    covering every position of ``output_ids`` (dicts with the same keys are accepted)."""
+    request_id: int
+    workload: str
+    group_id: str
+    turn: int
+    arrival_s: float
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    max_new_tokens: int
+    run_lengths: tuple[DrafterRunLengths, ...] = ()
+
+    def __post_init__(self):
+        _freeze(self)
+        runs = tuple(r if isinstance(r, DrafterRunLengths) else DrafterRunLengths(**r) for r in self.run_lengths)
+        object.__setattr__(self, "run_lengths", runs)
+        drafters = [r.drafter for r in runs]
+        if len(set(drafters)) != len(drafters):
+            raise ValueError(f"request {self.request_id}: run lengths repeat a drafter: {drafters}")
+        for r in runs:
+            if len(r.run_lengths) != len(self.output_ids):
+                raise ValueError(f"request {self.request_id}: drafter {r.drafter!r} has {len(r.run_lengths)} "
+                                 f"run lengths for {len(self.output_ids)} output tokens")
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One timed operation; ``repeat`` is the measurement's index among same-shape repeats."""
+    model: str
+    op: str
+    num_new_tokens: int
+    num_cached_tokens: int
+    k: int
+    num_bytes: int
+    repeat: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One end-to-end request under the action (r, drafter, k). Rounds are speculation
+    rounds (plain target steps are not): the per-round tuples have ``num_rounds`` entries."""
+    request_id: int
+    r: int
+    drafter: str
+    k: int
+    hit_tokens: int
+    reused_tokens: int
+    hit_kind: str
+    ttft_s: float
+    e2e_s: float
+    num_output_tokens: int
+    num_rounds: int
+    accepted_per_round: tuple[int, ...]
+    k_per_round: tuple[int, ...]
+    proposed_per_round: tuple[int, ...]
+    identical_to_ar: bool
+
+    def __post_init__(self):
+        _freeze(self)
+        lengths = {len(self.accepted_per_round), len(self.k_per_round), len(self.proposed_per_round)}
+        if lengths != {self.num_rounds}:
+            raise ValueError(f"run of request {self.request_id}: per-round lists must have num_rounds="
+                             f"{self.num_rounds} entries, got {sorted(lengths)}")
+
+
+@dataclass(frozen=True)
+class DecisionRow:
+    """One controller decision: features seen, action chosen, cost predicted and measured."""
+    request_id: int
+    policy: str
+    num_prompt_tokens: int
+    num_new_tokens: int
+    target_hit_tokens: int
+    draft_hit_tokens: int
+    exact_repeat: bool
+    acceptance_draft: float
+    acceptance_ngram: float
+    r: int
+    drafter: str
+    k: int
+    predicted_cost_s: float
+    measured_e2e_s: float = float("nan")
+
+
+ROW_TYPES: dict[str, type] = {"requests": RequestRow, "ops": OpRow, "runs": RunRow, "decisions": DecisionRow}
+for _name, _row_type in ROW_TYPES.items():  # the row classes are the schema, spelled in Python
+    assert [f.name for f in fields(_row_type)] == TABLES[_name].names, _name
+
+
+def check_table_name(table: str) -> None:
+    """Raise TraceError for a name that is not in TABLES."""
+    if table not in TABLES:
+        raise TraceError(f"unknown trace table {table!r}; the tables are {', '.join(TABLES)}")
+
+
+def rows_to_table(table: str, rows: Sequence) -> pa.Table:
+    """A ``pyarrow.Table`` with exactly ``TABLES[table]`` (no metadata) holding ``rows``."""
+    check_table_name(table)
+    schema, row_type = TABLES[table], ROW_TYPES[table]
+    for row in rows:
+        if not isinstance(row, row_type):
+            raise TypeError(f"table {table!r} takes {row_type.__name__}, got {type(row).__name__}")
+    arrays = []
+    for f in schema:
+        values = [getattr(row, f.name) for row in rows]
+        if f.type == RUN_LENGTHS_TYPE:
+            values = [[asdict(d) for d in v] for v in values]
+        try:
+            array = pa.array(values, type=f.type)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
+            raise ValueError(f"table {table!r} column {f.name!r} ({f.type}): {exc}") from None
+        if array.null_count:
+            raise ValueError(f"table {table!r} column {f.name!r}: {array.null_count} missing values")
+        arrays.append(array)
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def table_to_rows(table: str, data: pa.Table) -> list:
+    """The rows of ``data`` as ``ROW_TYPES[table]``; columns a newer minor version added are dropped."""
+    check_table_name(table)
+    row_type = ROW_TYPES[table]
+    return [row_type(**row) for row in data.select(TABLES[table].names).to_pylist()]
+
+
+def check_schema_version(version: str | None) -> None:
+    """Refuse a missing or malformed version, or another major version than ours."""
+    if version is None:
+        raise TraceError(f"not a RAKV trace file (no {META_SCHEMA_VERSION} metadata)")
+    match = re.fullmatch(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise TraceError(f"unrecognised trace schema version {version!r} (expected major.minor)")
+    if int(match.group(1)) != SCHEMA_MAJOR:
+        raise TraceError(f"trace schema {version} is not readable by this version ({SCHEMA_MAJOR}.x); "
+                         "re-record or upgrade")
+
+
+def _text_metadata(metadata: Mapping | None) -> dict[str, str]:
+    decode = lambda x: x.decode() if isinstance(x, bytes) else x  # noqa: E731
+    return {decode(k): decode(v) for k, v in (metadata or {}).items()}
+
+
+def _json_object(value: Mapping, what: str) -> dict:
+    """``value`` as JSON would return it (tuples become lists), so stored and fresh compare equal."""
+    try:
+        normalised = json.loads(json.dumps(value, sort_keys=True))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"trace {what} must be JSON-serialisable: {exc}") from None
+    if not isinstance(normalised, dict):
+        raise TypeError(f"trace {what} must be a dict, got {type(value).__name__}")
+    return normalised
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """What every trace file records about its run. The dicts are normalised to what JSON
+    returns on reading (so ``from_metadata(m.to_metadata(t)) == m``)."""
+    hardware: dict = field(default_factory=dict)  # see hardware_fingerprint()
+    models: dict = field(default_factory=dict)  # names and fingerprints of the models used
+    config: dict = field(default_factory=dict)  # the resolved configuration of the run
+
+    def __post_init__(self):
+        for name in ("hardware", "models", "config"):
+            object.__setattr__(self, name, _json_object(getattr(self, name), name))
+
+    def to_metadata(self, table: str) -> dict[bytes, bytes]:
+        """Parquet key-value metadata for a file of ``table``."""
+        check_table_name(table)
+        text = {META_SCHEMA_VERSION: SCHEMA_VERSION, META_TABLE: table, META_HARDWARE: self.hardware,
+                META_MODELS: self.models, META_CONFIG: self.config}
+        return {k.encode(): (v if isinstance(v, str) else json.dumps(v, sort_keys=True)).encode()
+                for k, v in text.items()}
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping | None) -> "TraceMeta":
+        """Parse key-value metadata (bytes or str keys); checks the schema version."""
+        text = _text_metadata(metadata)
+        check_schema_version(text.get(META_SCHEMA_VERSION))
+        parsed = {}
+        for name, key in (("hardware", META_HARDWARE), ("models", META_MODELS), ("config", META_CONFIG)):
+            if key not in text:
+                raise TraceError(f"trace metadata lacks {key}")
+            try:
+                parsed[name] = json.loads(text[key])
+            except ValueError:
+                raise TraceError(f"trace metadata {key} is not valid JSON") from None
+        return cls(**parsed)
+
+
+def table_of(metadata: Mapping | None) -> str | None:
+    """The ``rakv.table`` a file's key-value metadata names, or None."""
+    return _text_metadata(metadata).get(META_TABLE)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib_metadata.version(name)  # read from the installed metadata, not imported
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.MULTILINE)
+    except OSError:
+        match = None
+    return match.group(1).strip() if match else (platform.processor() or platform.machine())
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def hardware_fingerprint(probe_gpu: bool = True) -> dict:
+    """The ``hardware`` dict of ``TraceMeta``: CPU, GPU (None when absent), driver and
+    software versions. Package versions are read without importing the packages; torch is
+    imported, here only, to name the GPU when ``probe_gpu`` (a missing torch is tolerated)."""
+    gpu_name = cuda_version = None
+    if probe_gpu:
+        try:
+            import torch
+            if torch.cuda.is_available():
+                gpu_name = torch.cuda.get_device_name(torch.cuda.current_device())
+                cuda_version = torch.version.cuda
+        except Exception:  # noqa: BLE001 - no torch, or a broken CUDA setup: record no GPU
+            gpu_name = cuda_version = None
+    return {
+        "cpu_model": _cpu_model(),
+        "num_cpus": os.cpu_count(),
+        "gpu_name": gpu_name,
+        "cuda_version": cuda_version,
+        "nvidia_driver": _nvidia_driver() if gpu_name else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": _package_version("torch"),
+        "transformers": _package_version("transformers"),
+        "pyarrow": pa.__version__,
+        "numpy": _package_version("numpy"),
+    }
