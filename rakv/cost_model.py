@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from rakv.drafters import DRAFT_MODEL, DRAFTERS, NGRAM
 
 K_CHOICES = (0, 1, 2, 4, 6, 8)
@@ -153,3 +155,47 @@ def action_cost_s(action: Action, features: RequestFeatures, timings: PairTiming
     cost += timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
     cost += draft.prefill_s(n + 1 - draft_reused, draft_reused)
     return cost + num_rounds * (round_s + action.k * draft.step_s(context))
+
+
+def _fit_model(rows: list, role: str) -> ModelTimings:
+    """Least-squares fits of one model's prefill, decode and verify rows."""
+    def select(op):
+        return [r for r in rows if r.model == role and r.op == op]
+    prefill, decode, verify = select("prefill"), select("decode"), select("verify")
+    if not (prefill and decode and verify):
+        raise ValueError(f"the ops hold no prefill, decode and verify timings of the {role}")
+    design = np.array([[1.0, r.num_new_tokens, r.num_new_tokens * (r.num_cached_tokens + r.num_new_tokens / 2)]
+                       for r in prefill])
+    p_fixed, p_token, p_ctx = (max(float(x), 0.0) for x in
+                               np.linalg.lstsq(design, np.array([r.seconds for r in prefill]), rcond=None)[0])
+    contexts = np.array([r.num_cached_tokens for r in decode], dtype=float)
+    seconds = np.array([r.seconds for r in decode])
+    if len(set(contexts)) > 1:
+        step_slope, step_fixed = (float(x) for x in np.polyfit(contexts, seconds, 1))
+    else:
+        step_slope, step_fixed = 0.0, float(np.median(seconds))
+    step_slope = max(step_slope, 0.0)
+    step_fixed = max(step_fixed, 0.0)
+    extra = np.array([r.seconds - (step_fixed + step_slope * r.num_cached_tokens) for r in verify])
+    scored = np.array([r.num_new_tokens - 1 for r in verify], dtype=float)
+    verify_slope = max(float(np.dot(extra, scored) / max(np.dot(scored, scored), 1e-12)), 0.0)
+    kv_bytes = max(r.num_bytes // r.num_new_tokens for r in prefill)
+    return ModelTimings(
+        prefill_fixed_s=p_fixed, prefill_per_token_s=p_token, prefill_per_token_context_s=p_ctx,
+        step_fixed_s=step_fixed, step_per_context_s=step_slope, verify_per_token_s=verify_slope,
+        kv_bytes_per_token=kv_bytes)
+
+
+def fit_timings(rows: list, acceptance_prior: float = 0.0, ngram_acceptance_prior: float = 0.0) -> PairTimings:
+    """The cost model's timings from ops rows (``profiler.schema.OpRow``: a calibration or
+    a trace's ops table)."""
+    has_draft = any(r.model == "draft" for r in rows)
+    clone = [r for r in rows if r.model == "store" and r.op == "clone"]
+    lookup = [r.seconds for r in rows if r.model == "store" and r.op == "lookup"]
+    ngram = [r.seconds for r in rows if r.model == "ngram" and r.op == "propose"]
+    clone_s_per_byte = sum(r.seconds for r in clone) / max(sum(r.num_bytes for r in clone), 1)
+    return PairTimings(
+        target=_fit_model(rows, "target"), draft=_fit_model(rows, "draft") if has_draft else None,
+        clone_s_per_byte=clone_s_per_byte, lookup_s=float(np.median(lookup)) if lookup else 0.0,
+        acceptance_prior=acceptance_prior, ngram_lookup_s=float(np.median(ngram)) if ngram else 0.0,
+        ngram_acceptance_prior=ngram_acceptance_prior)

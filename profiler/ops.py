@@ -1,0 +1,160 @@
+"""The timing grid: one row per timed operation, for the ops table and the cost model.
+
+Every point gets warm-up runs, then ``repeats`` timed runs, each its own row. On a GPU an
+op is timed with CUDA events and one synchronize per timed op; on the CPU with
+perf_counter. A forward after a cached context leaves the context as it found it
+(rolled back, as speculation does), so points share one prefilled cache.
+
+``rakv.calibrate`` measures a small grid with these functions and fits the cost model's
+``PairTimings`` to the rows; a recording measures a larger grid and stores the rows.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from profiler.schema import OpRow
+
+
+@dataclass(frozen=True)
+class OpGrid:
+    prefill_new: tuple[int, ...] = (8, 32, 128)
+    prefill_cached: tuple[int, ...] = (0, 256)
+    decode_context: tuple[int, ...] = (16, 256)
+    verify_k: tuple[int, ...] = (1, 4, 8)
+    verify_context: tuple[int, ...] = (16,)
+    store_tokens: tuple[int, ...] = (128,)
+    ngram_history: tuple[int, ...] = (1024,)
+    warmup: int = 1
+    repeats: int = 3
+
+
+CALIBRATION_GRID = OpGrid()
+RECORDING_GRID = OpGrid(prefill_new=(1, 16, 64, 256, 512), prefill_cached=(0, 256, 1024),
+                        decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8),
+                        verify_context=(128, 1024), store_tokens=(128, 1024),
+                        ngram_history=(256, 2048), warmup=2, repeats=5)
+
+
+class OpTimer:
+    """Seconds of one call: CUDA events (one sync per op) on a GPU, perf_counter on a CPU."""
+
+    def __init__(self, device: str = "cpu"):
+        self.cuda = device.startswith("cuda")
+
+    def seconds(self, fn: Callable[[], object]) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        import torch
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def _points(grid: OpGrid, timer: OpTimer, fn, **row) -> Iterator[OpRow]:
+    for _ in range(grid.warmup):
+        fn()
+    for repeat in range(grid.repeats):
+        seconds = timer.seconds(fn)
+        yield OpRow(repeat=repeat, seconds=seconds, **row)
+
+
+def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0, num_bytes: int = 0) -> dict:
+    return dict(model=model, op=op, num_new_tokens=num_new, num_cached_tokens=num_cached, k=k, num_bytes=num_bytes)
+
+
+def measure_model(model, role: str, grid: OpGrid, timer: OpTimer, max_positions: int, seed: int = 0) -> Iterator[OpRow]:
+    """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens after c)."""
+    import torch
+    from transformers import DynamicCache
+    from rakv.decoding import crop_to, forward
+
+    vocab = model.config.vocab_size
+    tokens = np.random.default_rng(seed).integers(0, vocab, size=max_positions).tolist()
+
+    def after(cache, token_ids, num_logits=1):
+        length = cache.get_seq_length()
+        return lambda: (forward(model, cache, token_ids, num_logits), crop_to(cache, length))
+
+    caches: dict[int, DynamicCache] = {}
+
+    def cache_of(num_cached: int) -> DynamicCache:
+        if num_cached not in caches:
+            caches[num_cached] = DynamicCache()
+            if num_cached:
+                forward(model, caches[num_cached], tokens[:num_cached])
+        return caches[num_cached]
+
+    with torch.inference_mode():
+        kv_bytes = _kv_bytes_per_token(model, cache_of(16))
+        for c in grid.prefill_cached:
+            for n in grid.prefill_new:
+                if c + n < max_positions:
+                    yield from _points(grid, timer, after(cache_of(c), tokens[c:c + n]),
+                                       **_row(role, "prefill", n, c, num_bytes=n * kv_bytes))
+        for c in grid.decode_context:
+            if c + 1 < max_positions:
+                yield from _points(grid, timer, after(cache_of(c), tokens[c:c + 1]), **_row(role, "decode", 1, c))
+        for c in grid.verify_context:
+            for k in grid.verify_k:
+                if c + k + 1 < max_positions:
+                    yield from _points(grid, timer, after(cache_of(c), tokens[c:c + k + 1], k + 1),
+                                       **_row(role, "verify", k + 1, c, k=k))
+        caches.clear()
+
+
+def _kv_bytes_per_token(model, cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers) // cache.get_seq_length()
+
+
+def measure_store(model, grid: OpGrid, timer: OpTimer, max_positions: int) -> Iterator[OpRow]:
+    """The prefix store's clone (restore), lookup and insert, at several entry sizes."""
+    import torch
+    from transformers import DynamicCache
+    from rakv.decoding import forward
+    from rakv.kv_store import KVStore
+
+    with torch.inference_mode():
+        for num in grid.store_tokens:
+            if num >= max_positions:
+                continue
+            tokens = list(range(1, num + 1))
+            source = DynamicCache()
+            forward(model, source, tokens)
+            store = KVStore()
+            store.insert("ops", tokens, source, {})
+            hit = store.lookup("ops", tokens)
+            num_bytes = hit.entry.num_bytes
+            yield from _points(grid, timer, lambda: store.restore(hit, num), **_row("store", "clone", num, num_bytes=num_bytes))
+            yield from _points(grid, timer, lambda: store.lookup("ops", tokens + [0]), **_row("store", "lookup", num))
+
+            def insert():
+                fresh = KVStore()
+                fresh.insert("ops", tokens, store.restore(hit, num), {})
+            yield from _points(grid, timer, insert, **_row("store", "insert", num, num_bytes=num_bytes))
+
+
+def measure_ngram(grid: OpGrid, timer: OpTimer, seed: int = 0) -> Iterator[OpRow]:
+    """One prompt-lookup proposal of 8 tokens over a history of n tokens."""
+    from rakv.drafters import ngram_propose
+    for n in grid.ngram_history:
+        history = np.random.default_rng(seed).integers(0, 64, size=n).tolist()
+        yield from _points(grid, timer, lambda: ngram_propose(history, 8), **_row("ngram", "propose", 8, n, k=8))
+
+
+def measure_pair(pair, grid: OpGrid, device: str = "cpu") -> Iterator[OpRow]:
+    """Every op of the grid for the pair's target, its draft (if any), the store and ngram."""
+    timer = OpTimer(device)
+    yield from measure_model(pair.target, "target", grid, timer, pair.max_positions)
+    if pair.draft is not None:
+        yield from measure_model(pair.draft, "draft", grid, timer, pair.max_positions)
+    yield from measure_store(pair.target, grid, timer, pair.max_positions)
+    yield from measure_ngram(grid, timer)
