@@ -7,7 +7,7 @@ Four Parquet tables (DESIGN.md section 3):
   length k accepts exactly min(k, m_t), so these replay acceptance exactly.
 - ``ops``: one timed operation of one model; ``repeat`` is the 0-based index of the
   measurement among repeats of the same shape, so the key columns identify a row.
-- ``runs``: one timed end-to-end request under one action (r, drafter, k).
+- ``runs``: one timed end-to-end request under one policy's action (r, drafter, k).
 - ``decisions``: one controller decision: features seen, action chosen, cost predicted,
   end-to-end seconds measured (NaN when not measured).
 
@@ -80,6 +80,7 @@ TABLES: dict[str, pa.Schema] = {
     ),
     "runs": _table_schema(
         ("request_id", pa.int64()),
+        ("policy", pa.string()),  # the policy that ran it: a fixed one, or the adaptive one
         ("r", pa.int8()),
         ("drafter", pa.string()),
         ("k", pa.int8()),
@@ -117,7 +118,7 @@ TABLES: dict[str, pa.Schema] = {
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "requests": ("request_id",),
     "ops": ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat"),
-    "runs": ("request_id", "r", "drafter", "k"),
+    "runs": ("request_id", "policy"),
     "decisions": ("request_id", "policy"),
 }
 
@@ -196,6 +197,7 @@ class RunRow:
     """One end-to-end request under the action (r, drafter, k). Rounds are speculation
     rounds (plain target steps are not): the per-round tuples have ``num_rounds`` entries."""
     request_id: int
+    policy: str
     r: int
     drafter: str
     k: int

@@ -37,7 +37,7 @@ def op_row(i: int) -> OpRow:
 
 
 def run_row(i: int) -> RunRow:
-    return RunRow(request_id=i, r=i % 2, drafter="ngram" if i % 3 == 0 else "draft", k=(0, 1, 2, 4, 6, 8)[i % 6],
+    return RunRow(request_id=i, policy="ar", r=i % 2, drafter="ngram" if i % 3 == 0 else "draft", k=(0, 1, 2, 4, 6, 8)[i % 6],
                   hit_tokens=i, reused_tokens=max(i - 1, 0), hit_kind=("miss", "partial", "exact")[i % 3],
                   ttft_s=0.01 * i, e2e_s=0.1 + i, num_output_tokens=5, num_rounds=2,
                   accepted_per_round=[1, 0], k_per_round=[2, 2], proposed_per_round=[2, 1], identical_to_ar=True)
@@ -90,9 +90,9 @@ def test_rows_reject_broken_invariants_and_values():
     with pytest.raises(ValueError, match="output tokens"):
         RequestRow(0, "w", "g", 0, 0.0, [1], [1, 2], 2, [DrafterRunLengths("draft", 4, [1], [4])])
     with pytest.raises(ValueError, match="num_rounds"):
-        RunRow(0, 0, "draft", 2, 0, 0, "miss", 0.0, 0.0, 3, 2, [1], [2, 2], [2, 2], True)
+        RunRow(0, "ar", 0, "draft", 2, 0, 0, "miss", 0.0, 0.0, 3, 2, [1], [2, 2], [2, 2], True)
     with pytest.raises(ValueError, match="column 'k'"):
-        rows_to_table("runs", [RunRow(0, 0, "draft", 300, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], True)])
+        rows_to_table("runs", [RunRow(0, "ar", 0, "draft", 300, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], True)])
     with pytest.raises(TypeError, match="RunRow"):
         rows_to_table("runs", [op_row(0)])
 
@@ -218,11 +218,11 @@ def test_resume_skips_existing_keys_without_duplicates(tmp_path, finalized):
     del writer  # an interrupted recording: no finalize, no flush
     resumed = TraceWriter(tmp_path, META, resume=True, flush_every_rows=3, flush_every_s=None)
     done = resumed.existing_keys("runs")
-    assert done == {(r.request_id, r.r, r.drafter, r.k) for r in map(run_row, range(7))}
+    assert done == {(r.request_id, r.policy) for r in map(run_row, range(7))}
     assert resumed.existing_keys("requests") == ({(0,)} if finalized else set())
     for i in range(12):
         row = run_row(i)
-        if (row.request_id, row.r, row.drafter, row.k) not in done:
+        if (row.request_id, row.policy) not in done:
             resumed.append("runs", [row])
     resumed.finalize()
     assert read_table(tmp_path, "runs")["request_id"].to_pylist() == list(range(12))
