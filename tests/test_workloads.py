@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from profiler import workloads as W
+from profiler.sharegpt import _TruncatedJsonArray
 from profiler.workloads import Workload, WorkloadError, WorkloadRequest, load_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +105,8 @@ def test_humaneval():
 def test_truncated_array_decodes_item_by_item(monkeypatch):
     with pytest.raises(json.JSONDecodeError):
         json.loads(FIXTURE_SHAREGPT.read_text())
-    monkeypatch.setattr(W._TruncatedJsonArray, "CHUNK_CHARS", 7)  # items span many chunks
-    reader = W._TruncatedJsonArray(FIXTURE_SHAREGPT)
+    monkeypatch.setattr(_TruncatedJsonArray, "CHUNK_CHARS", 7)  # items span many chunks
+    reader = _TruncatedJsonArray(FIXTURE_SHAREGPT)
     assert [c["id"] for c in reader.take(2)] == ["a_0", "a_1"]
     items = reader.take(None)
     assert [c["id"] for c in items] == ["a_0", "a_1", "b_0", "a_0"]  # stops cleanly at the cut
