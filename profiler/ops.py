@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from profiler.schema import OpRow
+from profiler.schema import KEY_COLUMNS, OpRow
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,28 @@ class OpTimer:
         return begin.elapsed_time(end) / 1e3
 
 
-def _points(grid: OpGrid, timer: OpTimer, fn, **row) -> Iterator[OpRow]:
-    for _ in range(grid.warmup):
-        fn()
-    for repeat in range(grid.repeats):
-        seconds = timer.seconds(fn)
-        yield OpRow(repeat=repeat, seconds=seconds, **row)
+class PointTimer:
+    """Times grid points: warm-up runs, then one row per timed repeat. A point whose rows
+    are all in ``done`` (the ops keys of a resumed recording) is not measured again."""
+
+    def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset()):
+        self.grid, self.timer, self.done = grid, timer, done
+
+    def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
+        keys = [tuple({**row, "repeat": i}[c] for c in KEY_COLUMNS["ops"]) for i in range(self.grid.repeats)]
+        if all(key in self.done for key in keys):
+            return
+        for _ in range(self.grid.warmup):
+            fn()
+        for repeat in range(self.grid.repeats):
+            yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), **row)
 
 
 def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0, num_bytes: int = 0) -> dict:
     return dict(model=model, op=op, num_new_tokens=num_new, num_cached_tokens=num_cached, k=k, num_bytes=num_bytes)
 
 
-def measure_model(model, role: str, grid: OpGrid, timer: OpTimer, max_positions: int, seed: int = 0) -> Iterator[OpRow]:
+def measure_model(model, role: str, points: PointTimer, max_positions: int, seed: int = 0) -> Iterator[OpRow]:
     """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens after c)."""
     import torch
     from transformers import DynamicCache
@@ -95,18 +104,18 @@ def measure_model(model, role: str, grid: OpGrid, timer: OpTimer, max_positions:
 
     with torch.inference_mode():
         kv_bytes = _kv_bytes_per_token(model, cache_of(16))
-        for c in grid.prefill_cached:
-            for n in grid.prefill_new:
+        for c in points.grid.prefill_cached:
+            for n in points.grid.prefill_new:
                 if c + n < max_positions:
-                    yield from _points(grid, timer, after(cache_of(c), tokens[c:c + n]),
+                    yield from points(after(cache_of(c), tokens[c:c + n]),
                                        **_row(role, "prefill", n, c, num_bytes=n * kv_bytes))
-        for c in grid.decode_context:
+        for c in points.grid.decode_context:
             if c + 1 < max_positions:
-                yield from _points(grid, timer, after(cache_of(c), tokens[c:c + 1]), **_row(role, "decode", 1, c))
-        for c in grid.verify_context:
-            for k in grid.verify_k:
+                yield from points(after(cache_of(c), tokens[c:c + 1]), **_row(role, "decode", 1, c))
+        for c in points.grid.verify_context:
+            for k in points.grid.verify_k:
                 if c + k + 1 < max_positions:
-                    yield from _points(grid, timer, after(cache_of(c), tokens[c:c + k + 1], k + 1),
+                    yield from points(after(cache_of(c), tokens[c:c + k + 1], k + 1),
                                        **_row(role, "verify", k + 1, c, k=k))
         caches.clear()
 
@@ -115,7 +124,7 @@ def _kv_bytes_per_token(model, cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers) // cache.get_seq_length()
 
 
-def measure_store(model, grid: OpGrid, timer: OpTimer, max_positions: int) -> Iterator[OpRow]:
+def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpRow]:
     """The prefix store's clone (restore), lookup and insert, at several entry sizes."""
     import torch
     from transformers import DynamicCache
@@ -123,7 +132,7 @@ def measure_store(model, grid: OpGrid, timer: OpTimer, max_positions: int) -> It
     from rakv.kv_store import KVStore
 
     with torch.inference_mode():
-        for num in grid.store_tokens:
+        for num in points.grid.store_tokens:
             if num >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
@@ -133,28 +142,29 @@ def measure_store(model, grid: OpGrid, timer: OpTimer, max_positions: int) -> It
             store.insert("ops", tokens, source, {})
             hit = store.lookup("ops", tokens)
             num_bytes = hit.entry.num_bytes
-            yield from _points(grid, timer, lambda: store.restore(hit, num), **_row("store", "clone", num, num_bytes=num_bytes))
-            yield from _points(grid, timer, lambda: store.lookup("ops", tokens + [0]), **_row("store", "lookup", num))
+            yield from points(lambda: store.restore(hit, num), **_row("store", "clone", num, num_bytes=num_bytes))
+            yield from points(lambda: store.lookup("ops", tokens + [0]), **_row("store", "lookup", num))
 
             def insert():
                 fresh = KVStore()
                 fresh.insert("ops", tokens, store.restore(hit, num), {})
-            yield from _points(grid, timer, insert, **_row("store", "insert", num, num_bytes=num_bytes))
+            yield from points(insert, **_row("store", "insert", num, num_bytes=num_bytes))
 
 
-def measure_ngram(grid: OpGrid, timer: OpTimer, seed: int = 0) -> Iterator[OpRow]:
+def measure_ngram(points: PointTimer, seed: int = 0) -> Iterator[OpRow]:
     """One prompt-lookup proposal of 8 tokens over a history of n tokens."""
     from rakv.drafters import ngram_propose
-    for n in grid.ngram_history:
+    for n in points.grid.ngram_history:
         history = np.random.default_rng(seed).integers(0, 64, size=n).tolist()
-        yield from _points(grid, timer, lambda: ngram_propose(history, 8), **_row("ngram", "propose", 8, n, k=8))
+        yield from points(lambda: ngram_propose(history, 8), **_row("ngram", "propose", 8, n, k=8))
 
 
-def measure_pair(pair, grid: OpGrid, device: str = "cpu") -> Iterator[OpRow]:
-    """Every op of the grid for the pair's target, its draft (if any), the store and ngram."""
-    timer = OpTimer(device)
-    yield from measure_model(pair.target, "target", grid, timer, pair.max_positions)
+def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = frozenset()) -> Iterator[OpRow]:
+    """Every op of the grid for the pair's target, its draft (if any), the store and ngram,
+    skipping the points whose rows are all in ``done``."""
+    points = PointTimer(grid, OpTimer(device), done)
+    yield from measure_model(pair.target, "target", points, pair.max_positions)
     if pair.draft is not None:
-        yield from measure_model(pair.draft, "draft", grid, timer, pair.max_positions)
-    yield from measure_store(pair.target, grid, timer, pair.max_positions)
-    yield from measure_ngram(grid, timer)
+        yield from measure_model(pair.draft, "draft", points, pair.max_positions)
+    yield from measure_store(pair.target, points, pair.max_positions)
+    yield from measure_ngram(points)

@@ -120,11 +120,10 @@ def record_requests(writer: TraceWriter, pair, workload, args, progress) -> dict
 
 
 def record_ops(writer: TraceWriter, pair, args, progress) -> None:
-    done = writer.existing_keys("ops")
-    key_columns = ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat")
-    for row in progress(measure_pair(pair, GRIDS[args.grid], args.device), desc="ops", unit="op"):
-        if tuple(getattr(row, c) for c in key_columns) not in done:
-            writer.append("ops", [row])
+    done = frozenset(writer.existing_keys("ops"))
+    rows = measure_pair(pair, GRIDS[args.grid], args.device, done)
+    for row in progress(rows, desc="ops", unit="op"):
+        writer.append("ops", [row])
 
 
 def sample_requests(requests: dict[int, RequestRow], count: int) -> list[RequestRow]:
