@@ -13,11 +13,11 @@ limit, and picks the cheapest (ties: fewer draft tokens, then no reuse).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes,
-                             action_cost_s)
+                             action_costs_s)
 from rakv.drafters import DRAFT_MODEL, NGRAM
 
 FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN, ngram-kN, joint-ngram-kN (N in 1, 2, 4, 6, 8), rakv"
@@ -92,11 +92,9 @@ class CostModelPolicy:
     def rank(self, features: RequestFeatures) -> list[tuple[float, Action]]:
         """Feasible actions with their predicted seconds, cheapest first."""
         limit = self.config.memory_limit_bytes
-        ranked = sorted(
-            (action_cost_s(action, replace(features, acceptance=self.acceptance.get(action.drafter, 0.0)),
-                           self.timings), action.k, action.r, action)
-            for action in self.actions
-            if limit is None or action_bytes(action, features, self.timings) <= limit)
+        actions = [a for a in self.actions if limit is None or action_bytes(a, features, self.timings) <= limit]
+        costs = action_costs_s(actions, features, self.acceptance, self.timings)
+        ranked = sorted(zip(costs, (a.k for a in actions), (a.r for a in actions), actions))
         if not ranked:
             raise ValueError(
                 f"no action fits the memory limit of {limit} bytes for a "

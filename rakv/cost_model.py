@@ -132,29 +132,41 @@ def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings
 
 def action_cost_s(action: Action, features: RequestFeatures, timings: PairTimings) -> float:
     """Predicted end-to-end seconds of the request under ``action``."""
+    return action_costs_s((action,), features, {action.drafter: features.acceptance}, timings)[0]
+
+
+def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, float],
+                   timings: PairTimings) -> list[float]:
+    """Predicted seconds of each action, with ``acceptance`` per drafter. The terms shared
+    by many actions (prefills, steps) are computed once: this runs on every request."""
     n, num_new = features.num_prompt_tokens, features.num_new_tokens
-    target = timings.target
-    cost = timings.lookup_s
-    reused = 0
-    if action.r:
-        reused = reused_positions(n, features.target_hit_tokens, features.exact_repeat)
-        cost += timings.clone_s_per_byte * reused * target.kv_bytes_per_token
-    cost += target.prefill_s(n - reused, reused)
+    target, draft = timings.target, timings.draft
     remaining = max(num_new - 1, 0)  # the first token comes out of the prefill
     context = n + num_new // 2
-    if action.k == 0:
-        return cost + remaining * target.step_s(context)
-    num_rounds = remaining / expected_progress(features.acceptance, action.k)
-    round_s = target.verify_s(action.k + 1, context)
-    if action.drafter == NGRAM:
-        return cost + num_rounds * (round_s + timings.ngram_lookup_s)
-    draft = timings.draft
-    if draft is None:
-        raise ValueError("a draft-model action needs the draft's timings")
-    draft_reused = min(features.draft_hit_tokens, n) if action.r else 0
-    cost += timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
-    cost += draft.prefill_s(n + 1 - draft_reused, draft_reused)
-    return cost + num_rounds * (round_s + action.k * draft.step_s(context))
+    start_s = {}  # (r, uses draft model) -> lookup, clones and prefills before decoding
+    for r in (0, 1):
+        reused = reused_positions(n, features.target_hit_tokens, features.exact_repeat) if r else 0
+        start_s[r, False] = (timings.lookup_s + timings.clone_s_per_byte * reused * target.kv_bytes_per_token
+                             + target.prefill_s(n - reused, reused))
+        if draft is not None:
+            draft_reused = min(features.draft_hit_tokens, n) if r else 0
+            start_s[r, True] = (start_s[r, False] + timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
+                                + draft.prefill_s(n + 1 - draft_reused, draft_reused))
+    costs = []
+    for action in actions:
+        if action.k == 0:
+            costs.append(start_s[action.r, False] + remaining * target.step_s(context))
+            continue
+        num_rounds = remaining / expected_progress(acceptance.get(action.drafter, 0.0), action.k)
+        round_s = target.verify_s(action.k + 1, context)
+        if action.drafter == NGRAM:
+            costs.append(start_s[action.r, False] + num_rounds * (round_s + timings.ngram_lookup_s))
+        elif draft is None:
+            raise ValueError("a draft-model action needs the draft's timings")
+        else:
+            draft_step_s = draft.step_s(context)
+            costs.append(start_s[action.r, True] + num_rounds * (round_s + action.k * draft_step_s))
+    return costs
 
 
 def _fit_model(rows: list, role: str) -> ModelTimings:
