@@ -1,12 +1,13 @@
 """A few seconds of timing on the machine at hand: the cost model's ``PairTimings``.
 
-Measures, for target and draft: prefill at several lengths and cached contexts, one-token
-steps at two contexts, verification of 2..9 tokens; the store's clone rate and lookup
-time; the prompt-lookup proposal time; and each drafter's agreement with the target's
-greedy continuation of a built-in text (the acceptance priors). Fits are least squares over medians of repeated, warmed-up timings.
+Measures the small op grid of ``profiler.ops`` (target and draft prefill, decode and
+verify; the store's clone and lookup; the prompt-lookup proposal), fits the cost model to
+those rows (``rakv.cost_model.fit_timings``, which fits a trace's ops table the same way),
+and measures each drafter's agreement with the target's greedy continuations of built-in
+code, prose and chat prompts (the acceptance priors).
 
 Results are cached per (machine, model fingerprints) as JSON under
-``<cache root>/calibration/``; traces replace this source of timings once they exist.
+``<cache root>/calibration/``.
 """
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ from rakv.drafters import ngram_run_lengths
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
 
-CALIBRATION_VERSION = 3
-SAMPLE_TEXT = (
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
-    "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "The quick brown fox jumps over the lazy dog. A cache keeps the keys and values of "
-    "earlier tokens so that the model does not compute them again for the next request.\n")
+CALIBRATION_VERSION = 4
+SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The history of the printing press begins in the fifteenth century, when",
+    "User: Give me three tips for writing clear emails.\nAssistant:",
+)
 
 
 def machine_id() -> str:
@@ -41,17 +42,20 @@ def machine_id() -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def acceptance_priors(pair: ModelPair, num_tokens: int = 32) -> tuple[float, float]:
-    """(draft model, ngram) agreement with the target's greedy continuation of a built-in
-    text: the fraction of positions whose next token the drafter proposes correctly."""
-    prompt = pair.encode(SAMPLE_TEXT)[: pair.max_positions - num_tokens]
-    cache = DynamicCache()
-    output = greedy(forward(pair.target, cache, prompt))
-    while len(output) < num_tokens:
-        output += greedy(forward(pair.target, cache, output[-1:]))
-    ngram_lengths, _ = ngram_run_lengths(prompt, output, max_k=1)
-    draft = 0.0 if pair.draft is None else float(np.mean(draft_agreement(pair.draft, prompt, output)))
-    return draft, float(np.mean(ngram_lengths))
+def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, float]:
+    """(draft model, ngram) agreement with the target's greedy continuations of built-in
+    prompts: the fraction of positions whose next token the drafter proposes correctly."""
+    draft_agree, ngram_agree = [], []
+    for text in SAMPLE_PROMPTS:
+        prompt = pair.encode(text)[: pair.max_positions - num_tokens]
+        cache = DynamicCache()
+        output = greedy(forward(pair.target, cache, prompt))
+        while len(output) < num_tokens:
+            output += greedy(forward(pair.target, cache, output[-1:]))
+        ngram_agree += ngram_run_lengths(prompt, output, max_k=1)[0]
+        if pair.draft is not None:
+            draft_agree += draft_agreement(pair.draft, prompt, output)
+    return float(np.mean(draft_agree)) if draft_agree else 0.0, float(np.mean(ngram_agree))
 
 
 def calibrate(pair: ModelPair) -> PairTimings:
