@@ -90,6 +90,16 @@ def max_positions_of(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions"))
 
 
+def context_limit(target, max_context: int | None) -> int:
+    """The engine's position limit: the model's maximum, or a smaller ``--max-context``."""
+    limit = max_positions_of(target)
+    if max_context is None:
+        return limit
+    if max_context <= 1:
+        raise PairError(f"--max-context must be at least 2, got {max_context}")
+    return min(limit, max_context)
+
+
 def _load_hf(source: str, dtype):
     """Model and tokenizer from a HF name, a directory or a .gguf file, offline."""
     import os
@@ -195,16 +205,11 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         sources = (names[0], names[1] if len(names) == 2 else None)
     else:
         raise PairError(f"unknown pair {spec!r}; choose one of {', '.join(BUILTIN_PAIRS)} or TARGET[,DRAFT]")
-    limit = max_positions_of(target)
-    if max_context is not None:
-        if max_context <= 1:
-            raise PairError(f"--max-context must be at least 2, got {max_context}")
-        limit = min(limit, max_context)
     return ModelPair(
         name=spec, target=target, draft=draft, tokenizer=tokenizer,
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
-        max_positions=limit, eos_token_ids=eos_ids_of(target))
+        max_positions=context_limit(target, max_context), eos_token_ids=eos_ids_of(target))
 
 
 def _resolve(model_files, name: str) -> Path:

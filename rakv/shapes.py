@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 
-from rakv.models import (ModelPair, PairError, eos_ids_of, layer_prefix_draft, max_positions_of,
+from rakv.models import (ModelPair, PairError, context_limit, eos_ids_of, layer_prefix_draft,
                          model_fingerprint)
 
 _GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, bos_token_id=50256,
@@ -151,13 +151,8 @@ def random_pair(name: str, dtype="float16", device: str = "cpu", seed: int = 0,
             draft, draft_source = build_model(draft_spec, dtype, device, seed), f"random:{draft_spec}:{seed}"
     except RuntimeError as exc:  # e.g. an unavailable device or out of memory
         raise PairError(f"cannot build random-weight pair {name!r} on {device}: {str(exc).splitlines()[0]}") from None
-    limit = max_positions_of(target)
-    if max_context is not None:
-        if max_context <= 1:
-            raise PairError(f"--max-context must be at least 2, got {max_context}")
-        limit = min(limit, max_context)
     return ModelPair(
         name=name, target=target, draft=draft, tokenizer=NoTokenizer(target.config.vocab_size),
         target_fingerprint=model_fingerprint(target, f"random:{target_name}:{seed}"),
         draft_fingerprint=model_fingerprint(draft, draft_source),
-        max_positions=limit, eos_token_ids=eos_ids_of(target))
+        max_positions=context_limit(target, max_context), eos_token_ids=eos_ids_of(target))

@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy, policy_for
 from rakv.engine import Engine, EngineConfig
 from rakv.kv_store import KVStore, stored_bytes, tensor_bytes
-from rakv.models import ModelPair, model_fingerprint
+from rakv.models import model_fingerprint
 from rakv.tiny import TinyConfig, tiny_models
 
 PROMPT = "System: be brief.\nUser: what is a cache?"
