@@ -24,8 +24,8 @@ from pathlib import Path
 
 from profiler.ops import CALIBRATION_GRID, RECORDING_GRID, measure_pair
 from profiler.schema import (DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError, TraceMeta,
-                             hardware_fingerprint)
-from profiler.trace_io import TraceWriter
+                             hardware_fingerprint, table_to_rows)
+from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, load_workload
 
 MAX_K = 8
@@ -113,8 +113,6 @@ def record_requests(writer: TraceWriter, pair, workload, args, progress) -> dict
             arrival_s=request.arrival_s, prompt_ids=prompt, output_ids=output, max_new_tokens=max_new,
             run_lengths=runs)])
     writer.flush()
-    from profiler.trace_io import read_table
-    from profiler.schema import table_to_rows
     rows = table_to_rows("requests", read_table(writer.trace_dir, "requests"))
     return {row.request_id: row for row in rows}
 

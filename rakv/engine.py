@@ -19,6 +19,7 @@ from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculati
 from rakv.drafters import DRAFT_MODEL, NgramConfig, NgramDrafter
 from rakv.kv_store import DEFAULT_BUDGET_BYTES, KVStore, StoreHit
 from rakv.models import ModelPair
+from rakv.prefix_index import as_token_array
 
 STORE_MODES = ("full", "prompt", "off")
 
@@ -136,10 +137,11 @@ class Engine:
 
     def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, StoreHit | None, StoreHit | None]:
         """What the policy sees, and the store hits it is based on (not yet touched)."""
-        hit = self.store.lookup(self.pair.target_fingerprint, prompt)
+        tokens = as_token_array(prompt)  # converted once for both lookups
+        hit = self.store.lookup(self.pair.target_fingerprint, tokens)
         draft_hit = None
         if self.pair.draft is not None:
-            draft_hit = self.store.lookup(self.pair.draft_fingerprint, prompt)
+            draft_hit = self.store.lookup(self.pair.draft_fingerprint, tokens)
         exact = hit is not None and hit.num_tokens == len(prompt) and hit.payload.logits_at(len(prompt)) is not None
         features = RequestFeatures(
             num_prompt_tokens=len(prompt), num_new_tokens=max_new,
