@@ -5,10 +5,11 @@ on code (HumanEval), chat turns that revise the previous answer, and prose.
     python -m bench.prompt_lookup                       # smollm2, 96 new tokens
     python -m bench.prompt_lookup --pair tiny --code 2 --chat 2 --prose 2 --max-new-tokens 16
 
-Every figure comes from this run. Each output is checked token for token against the
-engine's ``ar`` output; a mismatch is printed and makes the exit status 1. Chat: the first
-turn is generated (untimed) in the same engine, so the second turn can hit the store, as it
-would in a server; Hugging Face keeps no state between calls.
+Every figure comes from this run, with the configs run in lockstep (each prompt under
+every config before the next prompt). Each output is checked token for token against the
+engine's ``ar`` output; a mismatch makes the exit status 1. Chat: the first turn is
+generated (untimed) in the same engine, so the second turn can hit the store, as it would
+in a server; Hugging Face keeps no state between calls.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.engine import continuation_ids, fresh_engine, hf_generate, timed
@@ -79,38 +80,59 @@ def workloads(pair, args) -> dict[str, list[list[int]]]:
     return {"code": code, "chat": chat, "prose": prose}
 
 
-def engine_row(pair, workload: str, name: str, prompts: list[list[int]], args, timings, reference):
-    """One engine policy over a workload; for chat each prompt is a first turn, run
-    untimed, then the revision turn that quotes its output is timed."""
-    engine = fresh_engine(pair, name, timings=timings if name == "rakv" else None)
-    outputs, wall_s, accepted, proposed, actions = [], 0.0, 0, 0, Counter()
+@dataclass
+class Tally:
+    """One config's running totals over a workload."""
+
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    mismatches: int = 0
+    accepted: int = 0
+    proposed: int = 0
+    actions: Counter = field(default_factory=Counter)
+
+    def add(self, output: list[int], seconds: float, reference: list[int] | None) -> None:
+        self.generated_tokens += len(output)
+        self.wall_s += seconds
+        self.mismatches += int(reference is not None and output != reference)
+
+    def row(self, workload: str, config: str, num_requests: int, engine: bool) -> Row:
+        acceptance = self.accepted / self.proposed if engine and self.proposed else None
+        actions = " ".join(f"{a}x{c}" for a, c in self.actions.items())
+        return Row(workload, config, num_requests, self.generated_tokens, self.wall_s, self.mismatches,
+                   acceptance, actions)
+
+
+def run_workload(pair, workload: str, prompts: list[list[int]], args, timings) -> list[Row]:
+    """Every config on one prompt before the next (lockstep), so drift in the machine's
+    load falls on all of them alike. Chat: each engine first generates the first turn
+    (untimed, so its store holds it, as a server's would); the timed revision turn quotes
+    that answer. Hugging Face keeps no state between calls."""
+    engines = {name: fresh_engine(pair, name, timings=timings if name == "rakv" else None)
+               for name in ENGINE_POLICIES}
+    tallies = {name: Tally() for name in (*ENGINE_POLICIES, *HF_LOOKUP_TOKENS)}
     for prompt in prompts:
         if workload == "chat":
-            first = engine.generate(prompt, args.max_new_tokens)
-            prompt = prompt + list(first.output_ids) + continuation_ids(pair, REVISE)
-        result = engine.generate(prompt, args.max_new_tokens)
-        wall_s += result.e2e_s
-        outputs.append((prompt, list(result.output_ids)))
-        accepted += sum(r.accepted for r in result.rounds)
-        proposed += sum(r.num_proposed for r in result.rounds)
-        actions[str(result.action)] += 1
-    mismatches = 0 if reference is None else sum(o != r for (_, o), (_, r) in zip(outputs, reference))
-    row = Row(workload, name, len(prompts), sum(len(o) for _, o in outputs), wall_s, mismatches,
-              accepted / proposed if proposed else None, " ".join(f"{a}x{c}" for a, c in actions.items()))
-    return row, outputs
-
-
-def hf_row(pair, workload: str, lookup_tokens: int | None, reference) -> Row:
-    """Hugging Face generate on the engine's prompts (chat: the same revision turns)."""
-    kwargs = {} if lookup_tokens is None else {"prompt_lookup_num_tokens": lookup_tokens}
-    outputs, wall_s = [], 0.0
-    for prompt, expected in reference:
-        output, seconds = timed(lambda: hf_generate(pair, prompt, len(expected), **kwargs))
-        outputs.append(list(output))
-        wall_s += seconds
-    mismatches = sum(o != r for o, (_, r) in zip(outputs, reference))
-    config = "hf generate" if lookup_tokens is None else f"hf prompt lookup N={lookup_tokens}"
-    return Row(workload, config, len(reference), sum(len(o) for o in outputs), wall_s, mismatches, None, "")
+            first = [list(engine.generate(prompt, args.max_new_tokens).output_ids) for engine in engines.values()]
+            prompt = prompt + first[0] + continuation_ids(pair, REVISE)
+        reference = None
+        for name, engine in engines.items():
+            result = engine.generate(prompt, args.max_new_tokens)
+            output = list(result.output_ids)
+            tally = tallies[name]
+            tally.add(output, result.e2e_s, reference)
+            tally.accepted += sum(r.accepted for r in result.rounds)
+            tally.proposed += sum(r.num_proposed for r in result.rounds)
+            tally.actions[str(result.action)] += 1
+            reference = reference or output
+        for lookup in HF_LOOKUP_TOKENS:
+            kwargs = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
+            output, seconds = timed(lambda: hf_generate(pair, prompt, len(reference), **kwargs))
+            tallies[lookup].add(list(output), seconds, reference)
+    rows = [tallies[name].row(workload, name, len(prompts), engine=True) for name in ENGINE_POLICIES]
+    rows += [tallies[lookup].row(workload, "hf generate" if lookup is None else f"hf prompt lookup N={lookup}",
+                                 len(prompts), engine=False) for lookup in HF_LOOKUP_TOKENS]
+    return rows
 
 
 def run(args) -> int:
@@ -123,15 +145,9 @@ def run(args) -> int:
         if not prompts:
             continue
         print(f"{workload}: {len(prompts)} prompts", file=sys.stderr)
-        reference = None
-        for name in ENGINE_POLICIES:
-            row, outputs = engine_row(pair, workload, name, prompts, args, timings, reference)
-            reference = reference or outputs
-            rows.append(row)
-            print(f"  {name}: {row.tokens_per_s:.1f} tok/s", file=sys.stderr)
-        for lookup in HF_LOOKUP_TOKENS:
-            rows.append(hf_row(pair, workload, lookup, reference))
-            print(f"  {rows[-1].config}: {rows[-1].tokens_per_s:.1f} tok/s", file=sys.stderr)
+        rows += run_workload(pair, workload, prompts, args, timings)
+        for row in rows[-len(ENGINE_POLICIES) - len(HF_LOOKUP_TOKENS):]:
+            print(f"  {row.config}: {row.tokens_per_s:.1f} tok/s", file=sys.stderr)
     print(report(rows))
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows], indent=1))

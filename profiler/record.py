@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from profiler.ops import CALIBRATION_GRID, RECORDING_GRID, measure_pair
+from rakv.models import config_identity
 from profiler.schema import (DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError, TraceMeta,
                              hardware_fingerprint, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
@@ -71,7 +72,7 @@ def load(args):
 
 def trace_meta(args, pair) -> TraceMeta:
     models = {"pair": args.pair, "target": pair.target_fingerprint, "draft": pair.draft_fingerprint,
-              "target_config": pair.target.config.to_diff_dict(),
+              "target_config": config_identity(pair.target.config, diff=True),
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("resume", "out", "skip", "flush_rows")}
@@ -104,7 +105,8 @@ def record_requests(writer: TraceWriter, pair, workload, args, progress) -> dict
         max_new = min(request.max_new_tokens, args.max_new_tokens or request.max_new_tokens)
         prompt = prompt_ids(pair, request, max_new)
         output = list(engine.generate(prompt, max_new).output_ids)
-        runs = [DrafterRunLengths(NGRAM, MAX_K, *ngram_run_lengths(prompt, output, MAX_K))]
+        ngram = ngram_run_lengths(prompt, output, MAX_K)
+        runs = [DrafterRunLengths(NGRAM, MAX_K, ngram.runs, ngram.proposed)]
         if pair.draft is not None:
             agree = draft_agreement(pair.draft, prompt, output)
             runs.append(DrafterRunLengths(DRAFT_MODEL, MAX_K, run_lengths(agree, MAX_K), [MAX_K] * len(output)))
@@ -170,7 +172,9 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], args
                     request_id=row.request_id, policy=name, r=action.r, drafter=action.drafter, k=action.k,
                     hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens, hit_kind=result.hit_kind,
                     ttft_s=result.ttft_s, e2e_s=result.e2e_s, num_output_tokens=len(result.output_ids),
-                    num_rounds=len(result.rounds), accepted_per_round=[r.accepted for r in result.rounds],
+                    num_rounds=len(result.rounds), start_per_round=[r.start for r in result.rounds],
+                    drafter_per_round=[r.drafter for r in result.rounds],
+                    accepted_per_round=[r.accepted for r in result.rounds],
                     k_per_round=[r.k for r in result.rounds], proposed_per_round=[r.num_proposed for r in result.rounds],
                     identical_to_ar=list(result.output_ids) == reference)])
             if isinstance(policy, CostModelPolicy) and (row.request_id, name) not in done_decisions:

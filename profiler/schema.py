@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: runs gained start_per_round and drafter_per_round
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -91,6 +91,8 @@ TABLES: dict[str, pa.Schema] = {
         ("e2e_s", pa.float64()),
         ("num_output_tokens", pa.int32()),
         ("num_rounds", pa.int32()),
+        ("start_per_round", pa.list_(pa.int32())),  # output position t of the round's first draft token
+        ("drafter_per_round", pa.list_(pa.string())),  # rakv may switch drafters between rounds
         ("accepted_per_round", pa.list_(pa.int16())),
         ("k_per_round", pa.list_(pa.int16())),
         ("proposed_per_round", pa.list_(pa.int16())),
@@ -195,7 +197,8 @@ class OpRow:
 @dataclass(frozen=True)
 class RunRow:
     """One end-to-end request under the action (r, drafter, k). Rounds are speculation
-    rounds (plain target steps are not): the per-round tuples have ``num_rounds`` entries."""
+    rounds (plain target steps are not): the per-round tuples have ``num_rounds`` entries,
+    and round i accepted min(k_per_round[i], m_t) of its drafter at t = start_per_round[i]."""
     request_id: int
     policy: str
     r: int
@@ -208,6 +211,8 @@ class RunRow:
     e2e_s: float
     num_output_tokens: int
     num_rounds: int
+    start_per_round: tuple[int, ...]
+    drafter_per_round: tuple[str, ...]
     accepted_per_round: tuple[int, ...]
     k_per_round: tuple[int, ...]
     proposed_per_round: tuple[int, ...]
@@ -215,7 +220,8 @@ class RunRow:
 
     def __post_init__(self):
         _freeze(self)
-        lengths = {len(self.accepted_per_round), len(self.k_per_round), len(self.proposed_per_round)}
+        lengths = {len(self.start_per_round), len(self.drafter_per_round), len(self.accepted_per_round),
+                   len(self.k_per_round), len(self.proposed_per_round)}
         if lengths != {self.num_rounds}:
             raise ValueError(f"run of request {self.request_id}: per-round lists must have num_rounds="
                              f"{self.num_rounds} entries, got {sorted(lengths)}")

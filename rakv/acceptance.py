@@ -7,7 +7,10 @@ target, a round starting at t with draft length k accepts exactly min(k, m_t) to
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from rakv.drafters import RunLengths
 
 
 def run_lengths(agree: Sequence[bool], max_k: int) -> list[int]:
@@ -26,18 +29,39 @@ def round_draft_length(k: int, num_generated: int, max_new_tokens: int) -> int:
     return max(0, min(k, max_new_tokens - num_generated - 1))
 
 
-def replay_rounds(lengths: Sequence[int], k: int, num_output: int, max_new_tokens: int) -> list[tuple[int, int, int]]:
-    """(start, draft length, accepted) of every speculation round of a request whose greedy
-    output has ``num_output`` tokens, as the engine runs it. The first token comes from
-    the prefill; a position where the clipped draft length is 0 is a plain target step."""
+@dataclass(frozen=True)
+class ReplayedRound:
+    start: int  # output position of the round's first drafted token
+    drafter: str
+    k: int
+    num_proposed: int
+    accepted: int
+
+
+def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
+                   max_new_tokens: int) -> list[ReplayedRound]:
+    """The speculation rounds of a request whose greedy output has ``num_output`` tokens,
+    as the engine runs them under ``planner`` (``rakv.round_planner``), from each of its
+    drafters' ``rakv.drafters.RunLengths`` (m_t, proposal length and signal at every t).
+    The first token comes from the prefill; a round whose clipped draft length is 0 is a
+    plain target step. A shadowed drafter is told how much of its proposal the new tokens
+    confirm, as the engine tells it."""
     rounds = []
     t = 1
     while t < num_output:
-        k_round = round_draft_length(k, t, max_new_tokens)
-        if k_round == 0:
-            t += 1
-            continue
-        accepted = min(k_round, lengths[t])
-        rounds.append((t, k_round, accepted))
-        t += accepted + 1
+        signals = {d: lengths[d].signals[t] for d in planner.drafters}
+        drafter, k = planner.plan(signals)
+        k = round_draft_length(k, t, max_new_tokens)
+        num_new = 1
+        if k > 0:
+            at = lengths[drafter]
+            rnd = ReplayedRound(t, drafter, k, min(k, at.proposed[t]), min(k, at.runs[t]))
+            rounds.append(rnd)
+            planner.observe(drafter, signals[drafter], rnd.num_proposed, rnd.accepted)
+            num_new = rnd.accepted + 1
+        for shadow in planner.shadowed:
+            if k == 0 or shadow != drafter:
+                at = lengths[shadow]
+                planner.observe(shadow, signals[shadow], min(at.proposed[t], num_new), min(at.runs[t], num_new))
+        t += num_new
     return rounds

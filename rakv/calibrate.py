@@ -28,7 +28,7 @@ from rakv.drafters import ngram_run_lengths
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -52,7 +52,7 @@ def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, flo
         output = greedy(forward(pair.target, cache, prompt))
         while len(output) < num_tokens:
             output += greedy(forward(pair.target, cache, output[-1:]))
-        ngram_agree += ngram_run_lengths(prompt, output, max_k=1)[0]
+        ngram_agree += ngram_run_lengths(prompt, output, max_k=1).runs
         if pair.draft is not None:
             draft_agree += draft_agreement(pair.draft, prompt, output)
     return float(np.mean(draft_agree)) if draft_agree else 0.0, float(np.mean(ngram_agree))

@@ -2,23 +2,28 @@
 draft length (k).
 
 One interface serves the engine and the simulator: ``decide(features) -> Action`` before a
-request runs and ``observe(outcome)`` after it. Imports no torch.
+request runs, ``planner(features, action)`` for its rounds (``rakv.round_planner``) and
+``observe(outcome)`` after it. Imports no torch.
 
 Fixed policies: ``ar`` (0,0), ``kv-only`` (1,0), ``spec-kN`` (0,N), ``joint-kN`` (1,N)
 with the draft model, ``ngram-kN`` (0,N) and ``joint-ngram-kN`` (1,N) with prompt lookup.
 The adaptive policy ``rakv`` prices every action with the analytic cost model under an
 EWMA of each drafter's acceptance, drops actions whose working KV would exceed the memory
-limit, and picks the cheapest (ties: fewer draft tokens, then no reuse).
+limit, and picks the cheapest (ties: fewer draft tokens, then no reuse). Its rounds then
+adapt: each re-chooses the drafter and k from the request's own acceptance so far.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes,
                              action_costs_s)
 from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.round_planner import AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, initial_estimate
+
+RoundPlanner = FixedRounds | AdaptiveRounds
 
 FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN, ngram-kN, joint-ngram-kN (N in 1, 2, 4, 6, 8), rakv"
 
@@ -28,27 +33,15 @@ class RequestOutcome:
     """What a policy learns from a finished request."""
 
     action: Action
-    accepted_per_round: tuple[int, ...]  # accepted draft tokens in each speculation round
-    k_per_round: tuple[int, ...]  # draft length of each round (the last may be clipped)
-
-
-def acceptance_from_rounds(accepted_per_round, k_per_round) -> float | None:
-    """Maximum-likelihood per-token acceptance of a geometric run model.
-
-    Every accepted token is a success; a round that stopped short of its k ended on a
-    failure. Returns None when no draft token was proposed.
-    """
-    successes = sum(accepted_per_round)
-    failures = sum(1 for a, k in zip(accepted_per_round, k_per_round) if a < k)
-    if successes + failures == 0:
-        return None
-    return successes / (successes + failures)
+    counts: tuple[AcceptanceCount, ...]  # each drafter's trials in the request, shadowed ones included
 
 
 class Policy(Protocol):
     name: str
 
     def decide(self, features: RequestFeatures) -> Action: ...
+
+    def planner(self, features: RequestFeatures, action: Action) -> RoundPlanner: ...
 
     def observe(self, outcome: RequestOutcome) -> None: ...
 
@@ -61,6 +54,9 @@ class FixedPolicy:
     def decide(self, features: RequestFeatures) -> Action:
         return self.action
 
+    def planner(self, features: RequestFeatures, action: Action) -> FixedRounds:
+        return FixedRounds(action.drafter, action.k)
+
     def observe(self, outcome: RequestOutcome) -> None:
         pass
 
@@ -69,6 +65,7 @@ class FixedPolicy:
 class ControllerConfig:
     ewma_decay: float = 0.3  # weight of the newest request's acceptance
     memory_limit_bytes: int | None = None  # working KV limit per request; None: unlimited
+    rounds: PlannerConfig = PlannerConfig()  # how each request adapts its rounds
 
 
 @dataclass
@@ -81,8 +78,10 @@ class CostModelPolicy:
 
     def __post_init__(self):
         drafters = ((DRAFT_MODEL,) if self.timings.draft is not None else ()) + (NGRAM,)
-        # EWMA of each drafter's per-token acceptance, from the calibration priors
+        # EWMA of each drafter's per-token acceptance, from the calibration priors; and of
+        # each (drafter, signal), which is where each request's rounds start from
         self.acceptance = {d: self.timings.prior(d) for d in drafters}
+        self.signal_acceptance: dict[tuple[str, int], float] = {}
         self.actions = tuple(Action(r, 0) for r in (0, 1)) + tuple(
             Action(r, k, d) for d in drafters for k in K_CHOICES[1:] for r in (0, 1))
 
@@ -101,12 +100,37 @@ class CostModelPolicy:
                 f"{features.num_prompt_tokens}-token prompt")
         return [(cost, action) for cost, _, _, action in ranked]
 
+    def planner(self, features: RequestFeatures, action: Action) -> AdaptiveRounds:
+        """Rounds re-planned from the request's own acceptance. Prompt lookup is always
+        ready (it needs no cache); the draft model only if the action prefilled it. Draft
+        lengths stay within the memory limit."""
+        ready = (DRAFT_MODEL, NGRAM) if action.k and action.drafter == DRAFT_MODEL else (NGRAM,)
+        max_k = self.config.rounds.max_k
+        limit = self.config.memory_limit_bytes
+        while limit is not None and max_k > 0 and any(
+                action_bytes(Action(action.r, max_k, d), features, self.timings) > limit for d in ready):
+            max_k -= 1
+        config = replace(self.config.rounds, max_k=max(max_k, 1))
+        return AdaptiveRounds(ready if max_k else (), self.signal_acceptance, self.acceptance, self.timings,
+                              features.num_prompt_tokens + features.num_new_tokens // 2, config)
+
     def observe(self, outcome: RequestOutcome) -> None:
-        rate = acceptance_from_rounds(outcome.accepted_per_round, outcome.k_per_round)
-        drafter = outcome.action.drafter
-        if rate is not None and drafter in self.acceptance:
-            beta = self.config.ewma_decay
-            self.acceptance[drafter] = (1 - beta) * self.acceptance[drafter] + beta * rate
+        beta = self.config.ewma_decay
+        per_drafter: dict[str, list[int]] = {}
+        for count in outcome.counts:
+            if count.drafter not in self.acceptance:
+                continue
+            tally = per_drafter.setdefault(count.drafter, [0, 0])
+            tally[0] += count.successes
+            tally[1] += count.failures
+            if count.rate is not None:
+                key = (count.drafter, count.signal)
+                old = self.signal_acceptance.get(key, initial_estimate(*key, self.acceptance[count.drafter]))
+                self.signal_acceptance[key] = (1 - beta) * old + beta * count.rate
+        for drafter, (successes, failures) in per_drafter.items():
+            if successes + failures:
+                rate = successes / (successes + failures)
+                self.acceptance[drafter] = (1 - beta) * self.acceptance[drafter] + beta * rate
 
 
 _FIXED = re.compile(r"^(spec|joint|ngram|joint-ngram)-k(\d+)$")

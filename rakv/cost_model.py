@@ -80,6 +80,10 @@ class ModelTimings:
     step_per_context_s: float
     verify_per_token_s: float  # each extra token scored in the same forward
     kv_bytes_per_token: int
+    # A forward of 2+ tokens over a one-token step, before the per-token term: on a CPU a
+    # 2-token forward costs about 1.7 steps (matrix-vector becomes matrix-matrix), a
+    # 9-token one about 2.8, so a line through the origin misprices short rounds.
+    verify_fixed_s: float = 0.0
 
     def prefill_s(self, num_new: int, num_cached: int) -> float:
         if num_new <= 0:
@@ -92,7 +96,9 @@ class ModelTimings:
         return self.step_fixed_s + self.step_per_context_s * num_context
 
     def verify_s(self, num_tokens: int, num_context: int) -> float:
-        return self.step_s(num_context) + self.verify_per_token_s * max(num_tokens - 1, 0)
+        if num_tokens <= 1:
+            return self.step_s(num_context)
+        return self.step_s(num_context) + self.verify_fixed_s + self.verify_per_token_s * (num_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -190,12 +196,23 @@ def _fit_model(rows: list, role: str) -> ModelTimings:
     step_fixed = max(step_fixed, 0.0)
     extra = np.array([r.seconds - (step_fixed + step_slope * r.num_cached_tokens) for r in verify])
     scored = np.array([r.num_new_tokens - 1 for r in verify], dtype=float)
-    verify_slope = max(float(np.dot(extra, scored) / max(np.dot(scored, scored), 1e-12)), 0.0)
+    verify_fixed, verify_slope = _fit_line_nonnegative(scored, extra)
     kv_bytes = max(r.num_bytes // r.num_new_tokens for r in prefill)
     return ModelTimings(
         prefill_fixed_s=p_fixed, prefill_per_token_s=p_token, prefill_per_token_context_s=p_ctx,
         step_fixed_s=step_fixed, step_per_context_s=step_slope, verify_per_token_s=verify_slope,
-        kv_bytes_per_token=kv_bytes)
+        kv_bytes_per_token=kv_bytes, verify_fixed_s=verify_fixed)
+
+
+def _fit_line_nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(intercept, slope) of y ~ x by least squares, both kept >= 0."""
+    if len(set(x.tolist())) > 1:
+        slope, intercept = (float(v) for v in np.polyfit(x, y, 1))
+        if slope >= 0 and intercept >= 0:
+            return intercept, slope
+        if slope < 0:
+            return max(float(np.mean(y)), 0.0), 0.0
+    return 0.0, max(float(np.dot(x, y) / max(np.dot(x, x), 1e-12)), 0.0)
 
 
 def fit_timings(rows: list, acceptance_prior: float = 0.0, ngram_acceptance_prior: float = 0.0) -> PairTimings:

@@ -96,6 +96,9 @@ class DraftModelDrafter:
     def propose(self, seq: list[int], k: int) -> list[int]:
         return draft_propose(self.model, self.cache, seq, k)
 
+    def signal(self, seq: list[int]) -> int:
+        return 0  # nothing is known of a model's guess before it is made
+
     def rollback(self, num_valid: int) -> None:
         crop_to(self.cache, num_valid)
 

@@ -1,9 +1,10 @@
 """The engine: one request at a time, exact KV reuse across requests, per-request action.
 
 Per request: look the prompt up in the store (target and draft separately), let the
-policy choose (r, drafter, k), prefill what is not reused, decode greedily (k = 0) or in
-speculation rounds, then store the sequence's KV for later requests. Every action gives
-the target's plain greedy output; only the time differs.
+policy choose (r, drafter, k), prefill what is not reused, then decode round by round as
+the policy's planner says (k = 0: one greedy step; k > 0: a speculation round), and store
+the sequence's KV for later requests. Every action gives the target's plain greedy
+output; only the time differs.
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from rakv.acceptance import round_draft_length
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures, reused_positions
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
-from rakv.drafters import DRAFT_MODEL, NgramConfig, NgramDrafter
+from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, NgramDrafter
 from rakv.kv_store import DEFAULT_BUDGET_BYTES, KVStore, StoreHit
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
+from rakv.round_planner import MAX_DRAFT_LENGTH
 
 STORE_MODES = ("full", "prompt", "off")
 
@@ -41,9 +43,21 @@ class EngineConfig:
             raise ValueError(f"store mode must be one of {', '.join(STORE_MODES)}, got {self.store_mode!r}")
 
 
+def _report_shadow(planner, name: str, signal: int, drafter, seq: list[int], before: int) -> None:
+    """Tell the planner how much of what ``drafter`` would have proposed after
+    ``seq[:before]`` the tokens generated since confirm (as ``replay_request`` does)."""
+    proposal = drafter.propose(seq[:before], MAX_DRAFT_LENGTH)
+    new_ids = seq[before:]
+    confirmed = 0
+    while confirmed < min(len(proposal), len(new_ids)) and proposal[confirmed] == new_ids[confirmed]:
+        confirmed += 1
+    planner.observe(name, signal, min(len(proposal), len(new_ids)), confirmed)
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     start: int  # output position of the round's first drafted token
+    drafter: str
     k: int  # draft length asked for
     num_proposed: int  # tokens proposed (a draft model always proposes k)
     accepted: int
@@ -75,6 +89,7 @@ class RequestResult:
         row["output_ids"] = list(self.output_ids)
         row["accepted_per_round"] = self.accepted_per_round
         row["k_per_round"] = [r.k for r in self.rounds]
+        row["drafter_per_round"] = [r.drafter for r in self.rounds]
         row["proposed_per_round"] = [r.num_proposed for r in self.rounds]
         del row["rounds"]
         return row
@@ -101,7 +116,8 @@ class Engine:
         max_new = min(max_new_tokens, self.max_positions - n)
         features, hit, draft_hit = self.features(prompt, max_new)
         action = self.policy.decide(features)
-        if action.k > 0 and action.drafter == DRAFT_MODEL and self.pair.draft is None:
+        planner = self.policy.planner(features, action)
+        if DRAFT_MODEL in planner.drafters and self.pair.draft is None:
             raise RequestError(f"policy {self.policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
         decide_s = time.perf_counter() - start
 
@@ -110,20 +126,28 @@ class Engine:
         seq = prompt + greedy(logits[None])
         ttft_s = time.perf_counter() - start
 
-        drafter, draft_reused = self._drafter(action, n, draft_hit)
+        drafters, draft_reused = self._drafters(planner.drafters, action.r, n, draft_hit)
         rounds: list[RoundRecord] = []
         eos = self.pair.eos_token_ids
         while seq[-1] not in eos and len(seq) - n < max_new:
-            k = round_draft_length(action.k, len(seq) - n, max_new)
+            signals = {d: drafters[d].signal(seq) for d in planner.drafters}
+            name, k = planner.plan(signals)
+            k = round_draft_length(k, len(seq) - n, max_new)
+            before = len(seq)
             if k == 0:
                 logits = forward(self.pair.target, target_cache, seq[-1:])[0]
                 seq += greedy(logits[None])
-                continue
-            rnd = speculative_round(self.pair.target, drafter, target_cache, seq, len(seq) - n, k, eos)
-            rounds.append(RoundRecord(rnd.start, rnd.k, rnd.num_proposed, rnd.accepted))
-            seq += rnd.new_ids
-            logits = rnd.logits
+            else:
+                rnd = speculative_round(self.pair.target, drafters[name], target_cache, seq, len(seq) - n, k, eos)
+                rounds.append(RoundRecord(rnd.start, name, rnd.k, rnd.num_proposed, rnd.accepted))
+                planner.observe(name, signals[name], rnd.num_proposed, rnd.accepted)
+                seq += rnd.new_ids
+                logits = rnd.logits
+            for shadow in planner.shadowed:
+                if k == 0 or shadow != name:
+                    _report_shadow(planner, shadow, signals[shadow], drafters[shadow], seq, before)
 
+        drafter = drafters.get(DRAFT_MODEL)
         draft_cache = drafter.cache if isinstance(drafter, DraftModelDrafter) else None
         self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: logits}, draft_cache)
         result = RequestResult(
@@ -132,7 +156,7 @@ class Engine:
             draft_reused_tokens=draft_reused, hit_kind=hit_kind, output_ids=tuple(seq[n:]),
             ttft_s=ttft_s, e2e_s=time.perf_counter() - start, decide_s=decide_s, rounds=tuple(rounds))
         self.num_requests += 1
-        self.policy.observe(RequestOutcome(action, tuple(r.accepted for r in rounds), tuple(r.k for r in rounds)))
+        self.policy.observe(RequestOutcome(action, planner.counts()))
         return result
 
     def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, StoreHit | None, StoreHit | None]:
@@ -162,15 +186,16 @@ class Engine:
             raise RequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return prompt
 
-    def _drafter(self, action: Action, num_prompt: int, draft_hit: StoreHit | None):
-        """The request's drafter and the draft-model positions it reuses from the store."""
-        if action.k == 0:
-            return None, 0
-        if action.drafter != DRAFT_MODEL:
-            return NgramDrafter(self.config.ngram), 0
-        reused = min(draft_hit.num_tokens, num_prompt) if (action.r and draft_hit) else 0
-        cache = self.store.restore(draft_hit, reused) if reused else DynamicCache()
-        return DraftModelDrafter(self.pair.draft, cache), reused
+    def _drafters(self, names, r: int, num_prompt: int, draft_hit: StoreHit | None):
+        """The request's drafters by name, and the draft-model positions reused from the store."""
+        drafters, reused = {}, 0
+        if NGRAM in names:
+            drafters[NGRAM] = NgramDrafter(self.config.ngram, max_k=MAX_DRAFT_LENGTH)
+        if DRAFT_MODEL in names:
+            reused = min(draft_hit.num_tokens, num_prompt) if (r and draft_hit) else 0
+            cache = self.store.restore(draft_hit, reused) if reused else DynamicCache()
+            drafters[DRAFT_MODEL] = DraftModelDrafter(self.pair.draft, cache)
+        return drafters, reused
 
     def _prefill(self, prompt: list[int], hit: StoreHit | None):
         """Target cache holding the prompt, the logits after it, positions reused, hit kind."""

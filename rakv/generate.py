@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
@@ -115,9 +116,14 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({**result.to_json(), "text": text}), flush=True)
             continue
         num_out = len(result.output_ids)
+        rounds = Counter(r.drafter for r in result.rounds)
+        accepted = sum(r.accepted for r in result.rounds)
+        proposed = sum(r.num_proposed for r in result.rounds)
+        spec = "".join(f" {d}-rounds={c}" for d, c in sorted(rounds.items()))
+        spec += f" accepted={accepted}/{proposed}" if rounds else ""
         print(f"[{result.request_id}] {result.policy} {result.action} {result.hit_kind} "
               f"hit={result.hit_tokens}/{result.num_prompt_tokens} ttft={result.ttft_s * 1e3:.1f}ms "
-              f"{num_out / result.e2e_s:.1f} tok/s", file=sys.stderr)
+              f"{num_out / result.e2e_s:.1f} tok/s{spec}", file=sys.stderr)
         print(repr(text) if demo else text, flush=True)
     return 0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -61,13 +62,25 @@ class HFTokenizer:
         return self.tokenizer.decode(token_ids)
 
 
+def config_identity(config, diff: bool = False) -> dict:
+    """The config's fields that define the model: no load paths, no library version.
+    ``diff`` keeps only the fields that differ from the architecture's defaults."""
+    fields = config.to_diff_dict() if diff else config.to_dict()
+    return {key: value for key, value in fields.items()
+            if not key.startswith("_") and key != "transformers_version"}
+
+
 def model_fingerprint(model, source: str) -> str:
-    """Identity of (weights, dtype, device): source, config, and a strided sample of every
-    tensor. Two models that differ in any of these never share stored state."""
+    """Identity of (weights, dtype, device): a source label, the config, and a strided sample
+    of every tensor. Two models that differ in any of these never share stored state.
+
+    Invariant: the same weights give the same fingerprint wherever they were loaded from,
+    so the config's load paths (``_name_or_path`` and the like) and the transformers version
+    are left out; a GGUF file and its converted cache fingerprint alike."""
     import torch
     h = hashlib.blake2b(digest_size=16)
     h.update(source.encode())
-    h.update(model.config.to_json_string(use_diff=False).encode())
+    h.update(json.dumps(config_identity(model.config), sort_keys=True, default=str).encode())
     for name, param in model.state_dict().items():
         flat = param.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 256)].to(torch.float64)
@@ -147,7 +160,9 @@ def _load_gguf(path: Path, dtype):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.replace(converted)  # atomic: a crash never leaves a half-written conversion in use
-    return model, HFTokenizer(tokenizer)
+    del model
+    # Load what was saved, so the first run and every later one see the same model object.
+    return _load_hf(str(converted), dtype)
 
 
 def layer_prefix_draft(target, num_layers: int):
@@ -189,13 +204,13 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         if not 0 <= draft_layers < target.config.num_hidden_layers:
             raise PairError(f"--draft-layers must be in 0..{target.config.num_hidden_layers - 1}, got {draft_layers}")
         draft = layer_prefix_draft(target, draft_layers) if draft_layers else None
-        sources = (str(path), f"{path}[:{draft_layers} layers]")
+        sources = ("smollm2", f"smollm2[:{draft_layers} layers]")
     elif spec == "qwen-coder":
         target_path = _resolve(model_files, "qwen-coder-1.5b")
         draft_path = _resolve(model_files, "qwen-coder-0.5b")
         target, tokenizer = _load_hf(str(target_path), torch_dtype)
         draft, _ = _load_hf(str(draft_path), torch_dtype)
-        sources = (str(target_path), str(draft_path))
+        sources = ("qwen-coder-1.5b", "qwen-coder-0.5b")
     elif spec and not spec.startswith("-"):
         names = spec.split(",")
         if len(names) > 2 or not all(names):

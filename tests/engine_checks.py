@@ -1,39 +1,54 @@
 """Checks shared by the engine tests of every pair."""
 from __future__ import annotations
 
+import copy
+
 from conftest import policy_for
-from rakv.acceptance import replay_rounds, run_lengths
+from rakv.acceptance import replay_request, run_lengths
 from rakv.cost_model import K_CHOICES
 from rakv.decoding import draft_agreement
-from rakv.drafters import NGRAM, ngram_run_lengths
+from rakv.drafters import NGRAM, RunLengths, ngram_run_lengths
 from rakv.engine import Engine, EngineConfig
 
 
 def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=EngineConfig()):
-    engine = Engine(pair, policy_for(policy_name, pair), config, store)
-    return [engine.generate(p, max_new_tokens) for p in prompts]
+    """The results, and a copy of each request's round planner as it started."""
+    policy = policy_for(policy_name, pair)
+    planners, make_planner = [], policy.planner
+
+    def recorded(features, action):
+        planner = make_planner(features, action)
+        planners.append(copy.deepcopy(planner))
+        return planner
+
+    policy.planner = recorded
+    engine = Engine(pair, policy, config, store)
+    return [engine.generate(p, max_new_tokens) for p in prompts], planners
 
 
-def drafter_run_lengths(pair, drafter: str, prompt, output, config=EngineConfig()):
-    """(m_t, proposal length at t) from one teacher-forced pass of the drafter."""
+def drafter_run_lengths(pair, drafter: str, prompt, output, config=EngineConfig()) -> RunLengths:
+    """m_t, proposal lengths and signals from one teacher-forced pass of the drafter."""
     max_k = max(K_CHOICES)
     if drafter == NGRAM:
         return ngram_run_lengths(prompt, output, max_k, config.ngram)
-    return run_lengths(draft_agreement(pair.draft, prompt, output), max_k), [max_k] * len(output)
+    agree = draft_agreement(pair.draft, prompt, output)
+    return RunLengths(run_lengths(agree, max_k), [max_k] * len(output), [0] * len(output))
 
 
-def assert_rounds_replay(pair, prompts, results, max_new_tokens, config=EngineConfig()) -> int:
-    """Engine rounds == replay of min(k, m_t) from one teacher-forced drafter pass."""
+def assert_rounds_replay(pair, prompts, results, planners, max_new_tokens, config=EngineConfig()) -> int:
+    """Engine rounds == the planner replayed over min(k, m_t) from one teacher-forced pass
+    of each drafter: the drafter, k, proposed and accepted count of every round."""
     checked = 0
-    for prompt, result in zip(prompts, results):
-        if result.action.k == 0:
+    for prompt, result, planner in zip(prompts, results, planners):
+        names = set(planner.drafters) | set(planner.shadowed)
+        if not names:
             assert result.rounds == ()
             continue
         output = list(result.output_ids)
-        lengths, proposed = drafter_run_lengths(pair, result.action.drafter, prompt, output, config)
+        lengths = {d: drafter_run_lengths(pair, d, prompt, output, config) for d in names}
         max_new = min(max_new_tokens, pair.max_positions - len(prompt))
-        expected = replay_rounds(lengths, result.action.k, len(output), max_new)
-        assert [(r.start, r.k, r.accepted) for r in result.rounds] == expected
-        assert [r.num_proposed for r in result.rounds] == [min(k, proposed[t]) for t, k, _ in expected]
+        expected = replay_request(planner, lengths, len(output), max_new)
+        assert [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in result.rounds] == [
+            (r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in expected]
         checked += len(expected)
     return checked

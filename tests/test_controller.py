@@ -1,11 +1,16 @@
-"""The torch-free controller: E_k, the cost model's choices, memory limits, EWMA."""
+"""The torch-free controller: E_k, the cost model's choices, memory limits, EWMA, and the
+round planners."""
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import pytest
 
-from rakv.acceptance import replay_rounds, run_lengths
-from rakv.controller import (ControllerConfig, CostModelPolicy, RequestOutcome, acceptance_from_rounds,
-                             fixed_action, make_policy)
+from rakv.acceptance import replay_request, run_lengths
+from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome, fixed_action, make_policy
+from rakv.drafters import RunLengths
+from rakv.round_planner import AcceptanceCount, FixedRounds, PlannerConfig
 from rakv.cost_model import Action, ModelTimings, PairTimings, RequestFeatures, action_bytes, expected_progress
 
 
@@ -74,17 +79,22 @@ def test_memory_limit_drops_actions():
 
 def test_ewma_follows_measured_acceptance():
     policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9), ControllerConfig(ewma_decay=0.5))
-    policy.observe(RequestOutcome(Action(0, 4), accepted_per_round=(0, 0, 0, 0), k_per_round=(4, 4, 4, 4)))
+    policy.observe(RequestOutcome(Action(0, 4), (AcceptanceCount("draft", 0, 0, 4),)))
     assert policy.acceptance["draft"] == pytest.approx(0.45)
     for _ in range(10):
-        policy.observe(RequestOutcome(Action(0, 4), (0, 0, 0, 0), (4, 4, 4, 4)))
+        policy.observe(RequestOutcome(Action(0, 4), (AcceptanceCount("draft", 0, 0, 4),)))
     assert policy.decide(features()).k == 0
 
 
-def test_acceptance_mle():
-    assert acceptance_from_rounds((4, 4), (4, 4)) == 1.0
-    assert acceptance_from_rounds((1, 0), (4, 4)) == pytest.approx(1 / 3)
-    assert acceptance_from_rounds((), ()) is None
+def test_acceptance_counts_are_geometric_trials():
+    rounds = FixedRounds("ngram", 4)
+    rounds.observe("ngram", 3, 4, 4)  # four successes, no failure seen
+    rounds.observe("ngram", 3, 2, 2)  # a short proposal fully accepted: censored, not a failure
+    rounds.observe("ngram", 3, 4, 1)  # one success, then the failure that ended it
+    rounds.observe("ngram", 1, 4, 0)
+    assert rounds.counts() == (AcceptanceCount("ngram", 1, 0, 1), AcceptanceCount("ngram", 3, 7, 1))
+    assert rounds.counts()[1].rate == pytest.approx(7 / 8)
+    assert AcceptanceCount("draft", 0, 0, 0).rate is None
 
 
 def test_replay_rounds():
@@ -92,7 +102,9 @@ def test_replay_rounds():
     lengths = run_lengths(agree, max_k=3)
     assert lengths == [2, 1, 0, 3, 3, 2, 1, 0, 2, 1]
     # k=2, 10 outputs, max_new 10: rounds start at 1 (accept min(2,1)=1 -> t=3), ...
-    assert replay_rounds(lengths, 2, 10, 10) == [(1, 2, 1), (3, 2, 2), (6, 2, 1), (8, 1, 1)]
+    rounds = replay_request(FixedRounds("draft", 2), {"draft": RunLengths(lengths, [3] * 10, [0] * 10)}, 10, 10)
+    assert [(r.start, r.k, r.accepted) for r in rounds] == [(1, 2, 1), (3, 2, 2), (6, 2, 1), (8, 1, 1)]
+    assert {r.drafter for r in rounds} == {"draft"}
 
 
 def test_rakv_prefers_a_free_drafter_when_text_repeats():
@@ -105,5 +117,73 @@ def test_rakv_prefers_a_free_drafter_when_text_repeats():
 
 def test_ngram_acceptance_is_tracked_separately():
     policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9, ngram_prior=0.5), ControllerConfig(ewma_decay=1.0))
-    policy.observe(RequestOutcome(Action(0, 4, "ngram"), (4, 4), (4, 4)))
-    assert policy.acceptance == {"draft": 0.9, "ngram": 1.0}
+    policy.observe(RequestOutcome(Action(0, 4, "ngram"), (AcceptanceCount("ngram", 3, 8, 0),
+                                                          AcceptanceCount("ngram", 1, 0, 8))))
+    assert policy.acceptance == {"draft": 0.9, "ngram": 0.5}
+    assert policy.signal_acceptance == {("ngram", 3): 1.0, ("ngram", 1): 0.0}
+
+
+def cpu_timings() -> PairTimings:
+    """CPU-like: any multi-token forward costs 1.75 steps, each further token 0.1 step more."""
+    t = timings(draft_step_s=0.03, prior=0.1, ngram_prior=0.05)
+    return dataclasses.replace(t, target=dataclasses.replace(t.target, verify_fixed_s=0.03))
+
+
+def test_adaptive_rounds_follow_the_request_not_the_prior():
+    policy = CostModelPolicy(cpu_timings())
+    action = policy.decide(features())
+    assert action.k == 0  # the overall prior says prompt lookup does not pay here
+    planner = policy.planner(features(), action)
+    assert planner.drafters == ("ngram",) and planner.shadowed == ("ngram",)
+    assert planner.plan({"ngram": 0}) == ("ngram", 0)  # no match: nothing to propose
+    assert planner.plan({"ngram": 1})[1] == 0  # a 1-gram match is a poor guess (prior 0.2)
+    assert planner.plan({"ngram": 3})[1] >= 4  # a 3-gram match a good one (prior 0.75)
+    for _ in range(12):  # shadowed 1-gram proposals confirmed by plain steps: this request copies
+        planner.observe("ngram", 1, 1, 1)
+    assert planner.plan({"ngram": 1})[1] >= 4
+    for _ in range(6):  # 3-gram proposals keep failing in this request
+        planner.observe("ngram", 3, 8, 0)
+    assert planner.plan({"ngram": 3})[1] == 0
+    assert policy.acceptance["ngram"] == 0.05  # the policy's estimates move only per request
+    policy.observe(RequestOutcome(action, planner.counts()))
+    assert policy.signal_acceptance[("ngram", 1)] > 0.2 and policy.signal_acceptance[("ngram", 3)] < 0.75
+
+
+def test_planner_readies_the_draft_model_only_when_the_action_uses_it():
+    policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9))
+    action = policy.decide(features())
+    assert action.drafter == "draft" and action.k > 0
+    assert policy.planner(features(), action).drafters == ("draft", "ngram")
+    assert policy.planner(features(), Action(0, 0)).drafters == ("ngram",)
+    limit = action_bytes(Action(0, 2, "ngram"), features(), policy.timings)  # the working KV of k = 2
+    capped = CostModelPolicy(policy.timings, ControllerConfig(memory_limit_bytes=limit))
+    assert capped.planner(features(), Action(0, 0)).config == PlannerConfig(max_k=2)
+
+
+def test_adaptive_replay_is_deterministic_and_waits_for_the_copy():
+    policy = CostModelPolicy(cpu_timings())
+    planner = policy.planner(features(), Action(0, 0))
+    # prompt lookup matches only 1-grams, yet agrees from output position 10 on (a copied
+    # stretch), never before
+    agree = [False] * 10 + [True] * 40
+    lengths = {"ngram": RunLengths(run_lengths(agree, 8), [8] * 50, [1] * 50)}
+    first = replay_request(copy.deepcopy(planner), lengths, 50, 50)
+    assert first == replay_request(copy.deepcopy(planner), lengths, 50, 50)
+    assert first[0].start >= 10 and sum(r.accepted for r in first) >= 20
+
+
+def test_fit_prices_the_jump_from_one_token_to_several():
+    """A CPU verify of 2 tokens costs about 1.7 steps and one of 9 about 2.8: a fixed jump
+    plus a per-token slope, which a line through the origin would misprice."""
+    from profiler.schema import OpRow
+    from rakv.cost_model import fit_timings
+    rows = []
+    for model in ("target", "draft"):
+        rows += [OpRow(model, "prefill", n, c, 0, 1000 * n, 0, 0.01 + 0.001 * n) for n in (8, 32) for c in (0, 64)]
+        rows += [OpRow(model, "decode", 1, c, 0, 1000, 0, 0.09) for c in (16, 256)]
+        rows += [OpRow(model, "verify", k + 1, 16, k, 1000, 0, 0.09 + 0.06 + 0.012 * k) for k in (1, 4, 8)]
+    target = fit_timings(rows).target
+    assert target.verify_fixed_s == pytest.approx(0.06)
+    assert target.verify_per_token_s == pytest.approx(0.012)
+    assert target.verify_s(2, 16) == pytest.approx(0.09 + 0.06 + 0.012)
+    assert target.verify_s(1, 16) == target.step_s(16)

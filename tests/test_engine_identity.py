@@ -25,7 +25,7 @@ def mix(tiny_pair):
 def test_policy_matches_hf_greedy(tiny_pair, mix, policy_name):
     prompts, oracle = mix
     assert len(prompts) >= 50
-    results = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS)
+    results, planners = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS)
     for i, (result, expected) in enumerate(zip(results, oracle)):
         assert list(result.output_ids) == expected, f"prompt {i} ({result.hit_kind}, {result.action})"
     kinds = {r.hit_kind for r in results}
@@ -33,7 +33,7 @@ def test_policy_matches_hf_greedy(tiny_pair, mix, policy_name):
         assert {"miss", "partial", "exact"} <= kinds
         short_hits = [r for r in results if r.num_prompt_tokens < 16 and r.hit_tokens == r.num_prompt_tokens]
         assert short_hits, "a prompt under 16 tokens should hit the stored sequence it prefixes"
-    rounds = assert_rounds_replay(tiny_pair, prompts, results, MAX_NEW_TOKENS)
+    rounds = assert_rounds_replay(tiny_pair, prompts, results, planners, MAX_NEW_TOKENS)
     if results[0].action.k > 0 and policy_name != "rakv":
         assert rounds > len(prompts)
         assert 0 < sum(sum(r.accepted_per_round) for r in results) < sum(r.k for res in results for r in res.rounds)
@@ -54,7 +54,7 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
 
     monkeypatch.setattr(store, "lookup", checked_lookup)
     for policy_name in ("kv-only", "joint-k4"):
-        results = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS, store=store)
+        results, planners = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS, store=store)
         assert [list(r.output_ids) for r in results] == oracle
     assert len(store.index._buckets) <= 2  # one bucket per model namespace
     assert len(seen) > len(prompts)
@@ -62,7 +62,7 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
 
 def test_store_prompt_mode_matches(tiny_pair, mix):
     prompts, oracle = mix
-    results = run_mix(tiny_pair, "joint-k2", prompts, MAX_NEW_TOKENS, config=EngineConfig(store_mode="prompt"))
+    results, planners = run_mix(tiny_pair, "joint-k2", prompts, MAX_NEW_TOKENS, config=EngineConfig(store_mode="prompt"))
     assert [list(r.output_ids) for r in results] == oracle
     assert any(r.hit_kind == "exact" for r in results)
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import hf_greedy, policy_for
 from engine_checks import assert_rounds_replay, run_mix
-from rakv.drafters import NgramConfig, ngram_propose, ngram_run_lengths
+from rakv.drafters import NgramConfig, ngram_match, ngram_propose, ngram_run_lengths
 from rakv.engine import Engine
 
 
@@ -30,8 +30,10 @@ def test_longer_ngram_wins_over_a_more_recent_shorter_one():
 def test_run_lengths():
     prompt = [1, 2, 3, 4, 1, 2]
     output = [3, 4, 9]  # "1 2" -> "3 4 1 2": m_0 = 2 (3, 4 match, then 1 != 9)
-    lengths, proposed = ngram_run_lengths(prompt, output, max_k=8)
-    assert lengths[0] == 2 and proposed[0] == 4
+    lengths = ngram_run_lengths(prompt, output, max_k=8)
+    assert (lengths.runs[0], lengths.proposed[0], lengths.signals[0]) == (2, 4, 2)  # matched the 2-gram "1 2"
+    assert (lengths.runs[2], lengths.signals[2]) == (0, 3)  # "2 3 4" -> "1 2 ...", but 9 follows
+    assert ngram_match([5, 6, 7], 4) == ([], 0)
 
 
 def test_config_is_checked():
@@ -44,9 +46,9 @@ def test_ngram_with_no_draft_model(tiny_pair):
     text = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add("
     prompts = [pair.encode(text), pair.encode(text + "x, y):")]
     for policy_name in ("ngram-k4", "joint-ngram-k8", "rakv"):
-        results = run_mix(pair, policy_name, prompts, 24)
+        results, planners = run_mix(pair, policy_name, prompts, 24)
         for prompt, result in zip(prompts, results):
             assert list(result.output_ids) == hf_greedy(pair, prompt, 24)
-        assert_rounds_replay(pair, prompts, results, 24)
+        assert_rounds_replay(pair, prompts, results, planners, 24)
     with pytest.raises(ValueError, match="needs a draft model"):
         Engine(pair, policy_for("spec-k4", pair)).generate(prompts[0], 4)

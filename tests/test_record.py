@@ -14,7 +14,9 @@ import pytest
 from profiler.record import main
 from profiler.schema import KEY_COLUMNS, table_to_rows
 from profiler.trace_io import final_path, parts_dir, read_meta, read_table
-from rakv.acceptance import replay_rounds
+from rakv.acceptance import replay_request
+from rakv.drafters import RunLengths
+from rakv.round_planner import FixedRounds
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--pair", "tiny", "--workload", "fixture-chat", "--runs-sample", "3", "--runs-max-new-tokens", "12",
@@ -55,15 +57,18 @@ def test_every_run_is_identical_and_replays_exactly(trace):
     assert {"miss", "partial"} <= {r.hit_kind for r in runs}
     checked = 0
     for run in runs:
-        if run.k == 0:
-            assert run.num_rounds == 0
-            continue
         request = requests[run.request_id]
-        lengths = next(d for d in request.run_lengths if d.drafter == run.drafter)
-        max_new = min(12, request.max_new_tokens)
-        expected = replay_rounds(lengths.run_lengths, run.k, run.num_output_tokens, max_new)
-        assert list(zip(run.k_per_round, run.accepted_per_round)) == [(k, a) for _, k, a in expected]
-        assert list(run.proposed_per_round) == [min(k, lengths.proposal_lengths[t]) for t, k, _ in expected]
+        lengths = {d.drafter: RunLengths(d.run_lengths, d.proposal_lengths, [0] * len(d.run_lengths))
+                   for d in request.run_lengths}  # a fixed policy's rounds ignore the signal
+        rounds = list(zip(run.start_per_round, run.drafter_per_round, run.k_per_round,
+                          run.proposed_per_round, run.accepted_per_round))
+        for start, drafter, k, proposed, accepted in rounds:  # every policy, rakv included
+            at = lengths[drafter]
+            assert (proposed, accepted) == (min(k, at.proposed[start]), min(k, at.runs[start]))
+        if run.policy != "rakv":  # a fixed policy's rounds replay from its action alone
+            expected = replay_request(FixedRounds(run.drafter, run.k), lengths, run.num_output_tokens,
+                                      min(12, request.max_new_tokens))
+            assert rounds == [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in expected]
         checked += run.num_rounds
     assert checked > 50
 

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import ALL_POLICIES, SMOLLM2_MAX_CONTEXT, hf_greedy
 from prompt_mix import prompt_mix
-from rakv.acceptance import replay_rounds, run_lengths
 from rakv.decoding import draft_agreement
 from engine_checks import assert_rounds_replay, run_mix
 
@@ -41,22 +40,22 @@ def test_every_policy_matches_hf_greedy(smollm2_pair, mix):
     prompts, oracle = mix
     assert len(prompts) >= 50
     for policy_name in MIX_POLICIES:
-        results = run_mix(smollm2_pair, policy_name, prompts, MIX_NEW_TOKENS)
+        results, planners = run_mix(smollm2_pair, policy_name, prompts, MIX_NEW_TOKENS)
         mismatches = [i for i, (r, o) in enumerate(zip(results, oracle)) if list(r.output_ids) != o]
         assert not mismatches, f"{policy_name}: prompts {mismatches} differ from HF greedy"
         if results[0].action.r == 1 and policy_name != "rakv":
             assert {"miss", "partial", "exact"} <= {r.hit_kind for r in results}
-        assert_rounds_replay(smollm2_pair, prompts, results, MIX_NEW_TOKENS)
+        assert_rounds_replay(smollm2_pair, prompts, results, planners, MIX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("policy_name", ["spec-k8", "joint-k8", "ngram-k8", "joint-ngram-k8"])
 def test_full_rounds_replay_exactly(smollm2_pair, mix, policy_name):
     prompts = mix[0][8:14]  # shared system prompt: the joint policies hit
-    results = run_mix(smollm2_pair, policy_name, prompts, LONG_NEW_TOKENS)
+    results, planners = run_mix(smollm2_pair, policy_name, prompts, LONG_NEW_TOKENS)
     for prompt, result in zip(prompts, results):
         assert list(result.output_ids) == hf_greedy(smollm2_pair, prompt, LONG_NEW_TOKENS)
     assert any(r.k == 8 for result in results for r in result.rounds)
-    assert_rounds_replay(smollm2_pair, prompts, results, LONG_NEW_TOKENS)
+    assert_rounds_replay(smollm2_pair, prompts, results, planners, LONG_NEW_TOKENS)
 
 
 def test_report_draft_agreement(smollm2_pair, mix):
@@ -70,4 +69,3 @@ def test_report_draft_agreement(smollm2_pair, mix):
     print(f"\nsmollm2 draft ({smollm2_pair.draft.config.num_hidden_layers} layers) agreement: "
           f"{rate:.3f} over {len(agree)} tokens")
     assert 0.0 <= rate < 0.5
-    assert replay_rounds(run_lengths(agree[:32], 8), 4, 32, 32)

@@ -40,7 +40,7 @@ def run_row(i: int) -> RunRow:
     return RunRow(request_id=i, policy="ar", r=i % 2, drafter="ngram" if i % 3 == 0 else "draft", k=(0, 1, 2, 4, 6, 8)[i % 6],
                   hit_tokens=i, reused_tokens=max(i - 1, 0), hit_kind=("miss", "partial", "exact")[i % 3],
                   ttft_s=0.01 * i, e2e_s=0.1 + i, num_output_tokens=5, num_rounds=2,
-                  accepted_per_round=[1, 0], k_per_round=[2, 2], proposed_per_round=[2, 1], identical_to_ar=True)
+                  start_per_round=[1, 3], drafter_per_round=["draft", "ngram"], accepted_per_round=[1, 0], k_per_round=[2, 2], proposed_per_round=[2, 1], identical_to_ar=True)
 
 
 def decision_row(i: int) -> DecisionRow:
@@ -90,9 +90,9 @@ def test_rows_reject_broken_invariants_and_values():
     with pytest.raises(ValueError, match="output tokens"):
         RequestRow(0, "w", "g", 0, 0.0, [1], [1, 2], 2, [DrafterRunLengths("draft", 4, [1], [4])])
     with pytest.raises(ValueError, match="num_rounds"):
-        RunRow(0, "ar", 0, "draft", 2, 0, 0, "miss", 0.0, 0.0, 3, 2, [1], [2, 2], [2, 2], True)
+        RunRow(0, "ar", 0, "draft", 2, 0, 0, "miss", 0.0, 0.0, 3, 2, [1, 3], ["draft"] * 2, [1], [2, 2], [2, 2], True)
     with pytest.raises(ValueError, match="column 'k'"):
-        rows_to_table("runs", [RunRow(0, "ar", 0, "draft", 300, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], True)])
+        rows_to_table("runs", [RunRow(0, "ar", 0, "draft", 300, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], [], [], True)])
     with pytest.raises(TypeError, match="RunRow"):
         rows_to_table("runs", [op_row(0)])
 

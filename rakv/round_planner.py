@@ -1,0 +1,172 @@
+"""Round planners: the drafter and draft length of each round of one request. Imports no torch.
+
+A request's action fixes r and which drafters are ready (the draft model's cache is
+prefilled only when the action uses it). Before every round the engine asks its planner
+for (drafter, k); k = 0 is one plain target step. After the round it reports what was
+proposed and accepted, and, for a drafter the planner shadows, what that drafter would
+have proposed: prompt lookup costs microseconds, so the planner can watch it on every
+step without using it.
+
+- ``FixedRounds``: the same (drafter, k) every round (the fixed policies).
+- ``AdaptiveRounds`` (``rakv``): a per-request acceptance estimate for each ready drafter,
+  started at the policy's running estimate and moved towards each new trial; every round
+  takes the (drafter, k) with the most expected tokens per second. Prompt lookup pays only
+  where the output copies text (an edit of quoted code, a chat answer revising an earlier
+  one), and a per-workload average cannot see that; the request's own tokens can.
+
+Invariant: a planner's choices depend only on its start state and on the (proposed,
+accepted) pairs reported to it, which are functions of the greedy output and the drafters'
+run lengths m_t. So ``acceptance.replay_request`` reproduces a request's rounds exactly
+from a trace, whatever the timing noise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from rakv.cost_model import K_CHOICES, PairTimings, expected_progress
+from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
+
+MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts; traces record m_t up to it
+
+
+@dataclass(frozen=True)
+class AcceptanceCount:
+    """Geometric trials of one drafter under one signal in one request: every accepted
+    token is a success; a proposal that stopped short of its verified length ended on a
+    failure."""
+
+    drafter: str
+    signal: int  # Drafter.signal before the proposal (ngram: matched n-gram length)
+    successes: int
+    failures: int
+
+    @property
+    def rate(self) -> float | None:
+        trials = self.successes + self.failures
+        return self.successes / trials if trials else None
+
+
+class _Counts:
+    def __init__(self):
+        self.trials: dict[tuple[str, int], list[int]] = {}  # (drafter, signal) -> [successes, failures]
+
+    def add(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
+        tally = self.trials.setdefault((drafter, signal), [0, 0])
+        tally[0] += accepted
+        tally[1] += int(accepted < num_proposed)
+
+    def totals(self) -> tuple[AcceptanceCount, ...]:
+        return tuple(AcceptanceCount(d, s, *self.trials[d, s]) for d, s in sorted(self.trials))
+
+
+class FixedRounds:
+    """Draft length k with one drafter, every round; shadows nothing."""
+
+    shadowed: tuple[str, ...] = ()
+
+    def __init__(self, drafter: str, k: int):
+        self.drafter, self.k = drafter, k
+        self.drafters = (drafter,) if k > 0 else ()
+        self._counts = _Counts()
+
+    def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
+        return self.drafter, self.k
+
+    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
+        self._counts.add(drafter, signal, num_proposed, accepted)
+
+    def counts(self) -> tuple[AcceptanceCount, ...]:
+        return self._counts.totals()
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    recency: float = 0.1  # weight of each new trial in the request's acceptance estimates
+    max_k: int = MAX_DRAFT_LENGTH
+
+    def __post_init__(self):
+        if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH:
+            raise ValueError(f"need 0 < recency <= 1 and 1 <= max_k <= {MAX_DRAFT_LENGTH}, "
+                             f"got {self.recency}, {self.max_k}")
+
+
+def initial_estimate(drafter: str, signal: int, drafter_estimate: float) -> float:
+    """Acceptance under a signal never observed: prompt lookup's prior for the match
+    length, or the drafter's overall estimate."""
+    return ngram_prior(signal) if drafter == NGRAM else drafter_estimate
+
+
+def round_costs_s(timings: PairTimings, drafter: str, num_context: int, max_k: int) -> list[float]:
+    """Seconds of a round drafting k = 0..max_k tokens at ``num_context`` positions: the
+    target verifies k + 1 tokens (k = 0: one step) plus the drafter's proposal."""
+    target = timings.target
+    costs = [target.step_s(num_context)]
+    for k in range(1, max_k + 1):
+        if drafter == NGRAM:
+            draft_s = timings.ngram_lookup_s
+        elif timings.draft is None:
+            raise ValueError("a draft-model round needs the draft's timings")
+        else:
+            draft_s = k * timings.draft.step_s(num_context)
+        costs.append(target.verify_s(k + 1, num_context) + draft_s)
+    return costs
+
+
+class AdaptiveRounds:
+    """Each round: the (drafter, k) with the most expected tokens per second under the
+    request's own acceptance estimate for each (drafter, signal). Ties go to the smaller
+    k, then the earlier drafter.
+
+    The signal splits one drafter's guesses by what is known before they are made:
+    prompt lookup after a 3-gram match is right most of the time, after a 1-gram match
+    rarely, and with no match it has nothing to propose (signal 0, acceptance 0). An
+    unseen signal starts from the policy's running estimate for it, else from
+    ``ngram_prior`` (prompt lookup) or the drafter's own estimate.
+    Prompt lookup is shadowed whenever it is ready and not drafting: after each round the
+    engine reports how much of its proposal the new tokens confirm, so a copy stretch is
+    noticed after one step and the estimate decays again once it ends.
+    """
+
+    def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
+                 fallback: Mapping[str, float], timings: PairTimings, num_context: int,
+                 config: PlannerConfig = PlannerConfig()):
+        self.drafters = drafters
+        self.config = config
+        self.shadowed = tuple(d for d in drafters if d == NGRAM)
+        self.acceptance = dict(priors)  # (drafter, signal) -> per-token acceptance, this request
+        self.fallback = dict(fallback)  # per drafter, for a signal not seen before
+        self.costs_s = {d: round_costs_s(timings, d, num_context, config.max_k) for d in drafters}
+        self.step_s = timings.target.step_s(num_context)
+        self._counts = _Counts()
+
+    def estimate(self, drafter: str, signal: int) -> float:
+        if (drafter, signal) in self.acceptance:
+            return self.acceptance[drafter, signal]
+        return initial_estimate(drafter, signal, self.fallback[drafter])
+
+    def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
+        best_rate, best = 1.0 / self.step_s, (self.drafters[0] if self.drafters else DRAFT_MODEL, 0)
+        for drafter in self.drafters:
+            a, costs = self.estimate(drafter, signals[drafter]), self.costs_s[drafter]
+            for k in range(1, self.config.max_k + 1):
+                rate = expected_progress(a, k) / costs[k]
+                if rate > best_rate * (1 + 1e-9):
+                    best_rate, best = rate, (drafter, k)
+        return best
+
+    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
+        """A round (or a shadowed proposal) of ``drafter`` under ``signal``: ``accepted``
+        of ``num_proposed`` verified tokens matched, the first mismatch ending it if
+        accepted < num_proposed."""
+        self._counts.add(drafter, signal, num_proposed, accepted)
+        if num_proposed == 0:
+            return  # nothing proposed (prompt lookup found no match): nothing learned
+        keep = 1.0 - self.config.recency
+        # ``accepted`` successes then, maybe, one failure, each moving the estimate by recency
+        miss = 1.0 - self.estimate(drafter, signal)
+        rate = 1.0 - miss * keep ** accepted
+        self.acceptance[drafter, signal] = rate * keep if accepted < num_proposed else rate
+
+    def counts(self) -> tuple[AcceptanceCount, ...]:
+        return self._counts.totals()
