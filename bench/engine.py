@@ -18,6 +18,9 @@ Sections (every figure comes from this run; nothing is hard-coded):
 5. the controller's decision overhead: ``policy.decide`` per call, and the engine's
    ``decide_s`` (lookup plus decision) per request.
 
+Prompt lookup (``ar``, ``ngram-k4`` and ``rakv`` against HF ``prompt_lookup_num_tokens`` on
+code, chat revisions and prose) has its own script: ``python -m bench.prompt_lookup``.
+
 Progress goes to stderr; the tables go to stdout at the end. A failed check (a repeat
 that was not exact, a reused count that differs from the one expected, an output that
 differs from plain greedy) is printed and makes the exit status 1.

@@ -14,10 +14,11 @@ step without using it.
   where the output copies text (an edit of quoted code, a chat answer revising an earlier
   one), and a per-workload average cannot see that; the request's own tokens can.
 
-Invariant: a planner's choices depend only on its start state and on the (proposed,
-accepted) pairs reported to it, which are functions of the greedy output and the drafters'
-run lengths m_t. So ``acceptance.replay_request`` reproduces a request's rounds exactly
-from a trace, whatever the timing noise.
+Invariant: a planner's choices depend only on its start state, the drafters' signals and
+the (proposed, accepted) counts reported to it, which are functions of the greedy output:
+the drafters' run lengths m_t and signals (``drafters.RunLengths``). So
+``acceptance.replay_request`` reproduces a request's rounds exactly from a trace, whatever
+the timing noise.
 """
 from __future__ import annotations
 
@@ -84,6 +85,10 @@ class FixedRounds:
 class PlannerConfig:
     recency: float = 0.1  # weight of each new trial in the request's acceptance estimates
     max_k: int = MAX_DRAFT_LENGTH
+    # Speculate only for a predicted gain over a plain step of at least this fraction: a
+    # round that loses costs up to 2-3 steps on a CPU, and the fitted costs are no better
+    # than a few percent.
+    min_gain: float = 0.05
 
     def __post_init__(self):
         if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH:
@@ -146,7 +151,8 @@ class AdaptiveRounds:
         return initial_estimate(drafter, signal, self.fallback[drafter])
 
     def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
-        best_rate, best = 1.0 / self.step_s, (self.drafters[0] if self.drafters else DRAFT_MODEL, 0)
+        best_rate = (1.0 + self.config.min_gain) / self.step_s
+        best = (self.drafters[0] if self.drafters else DRAFT_MODEL, 0)
         for drafter in self.drafters:
             a, costs = self.estimate(drafter, signals[drafter]), self.costs_s[drafter]
             for k in range(1, self.config.max_k + 1):
