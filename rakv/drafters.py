@@ -15,7 +15,7 @@ target step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -93,7 +93,7 @@ class NgramDrafter:
     config: NgramConfig = NgramConfig()
     name: str = NGRAM
     max_k: int = 8  # proposal length computed per match (the engine's longest round); a longer k recomputes
-    _memo: tuple[int, list[int], int] = (-1, [], 0)  # (sequence length, proposal, n)
+    _memo: tuple[int, list[int], int] = field(default=(-1, [], 0), init=False, repr=False)  # (length, proposal, n)
 
     def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
         if self._memo[0] != len(seq) or k > self.max_k:
@@ -108,7 +108,7 @@ class NgramDrafter:
         return self.match(seq, self.max_k)[1]
 
     def rollback(self, num_valid: int) -> None:
-        pass  # stateless: it reads the sequence afresh every round
+        pass  # the true sequence of a given length never changes, so the memo stays valid
 
 
 @dataclass(frozen=True)
