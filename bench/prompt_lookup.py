@@ -145,9 +145,10 @@ def run(args) -> int:
         if not prompts:
             continue
         print(f"{workload}: {len(prompts)} prompts", file=sys.stderr)
-        rows += run_workload(pair, workload, prompts, args, timings)
-        for row in rows[-len(ENGINE_POLICIES) - len(HF_LOOKUP_TOKENS):]:
+        workload_rows = run_workload(pair, workload, prompts, args, timings)
+        for row in workload_rows:
             print(f"  {row.config}: {row.tokens_per_s:.1f} tok/s", file=sys.stderr)
+        rows += workload_rows
     print(report(rows))
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows], indent=1))

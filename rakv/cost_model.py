@@ -141,6 +141,20 @@ def action_cost_s(action: Action, features: RequestFeatures, timings: PairTiming
     return action_costs_s((action,), features, {action.drafter: features.acceptance}, timings)[0]
 
 
+def round_s(timings: PairTimings, drafter: str, k: int, num_context: int) -> float:
+    """Seconds of one round at ``num_context`` positions: k = 0 is one target step; k > 0
+    is a target verification of k + 1 tokens plus the drafter's proposal (``ngram``: one
+    lookup; the draft model: k steps)."""
+    if k == 0:
+        return timings.target.step_s(num_context)
+    verify_s = timings.target.verify_s(k + 1, num_context)
+    if drafter == NGRAM:
+        return verify_s + timings.ngram_lookup_s
+    if timings.draft is None:
+        raise ValueError("a draft-model round needs the draft's timings")
+    return verify_s + k * timings.draft.step_s(num_context)
+
+
 def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, float],
                    timings: PairTimings) -> list[float]:
     """Predicted seconds of each action, with ``acceptance`` per drafter. The terms shared
@@ -160,18 +174,12 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
                                 + draft.prefill_s(n + 1 - draft_reused, draft_reused))
     costs = []
     for action in actions:
+        per_round_s = round_s(timings, action.drafter, action.k, context)
         if action.k == 0:
-            costs.append(start_s[action.r, False] + remaining * target.step_s(context))
+            costs.append(start_s[action.r, False] + remaining * per_round_s)
             continue
         num_rounds = remaining / expected_progress(acceptance.get(action.drafter, 0.0), action.k)
-        round_s = target.verify_s(action.k + 1, context)
-        if action.drafter == NGRAM:
-            costs.append(start_s[action.r, False] + num_rounds * (round_s + timings.ngram_lookup_s))
-        elif draft is None:
-            raise ValueError("a draft-model action needs the draft's timings")
-        else:
-            draft_step_s = draft.step_s(context)
-            costs.append(start_s[action.r, True] + num_rounds * (round_s + action.k * draft_step_s))
+        costs.append(start_s[action.r, action.drafter == DRAFT_MODEL] + num_rounds * per_round_s)
     return costs
 
 

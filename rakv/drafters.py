@@ -111,6 +111,16 @@ class NgramDrafter:
         pass  # the true sequence of a given length never changes, so the memo stays valid
 
 
+def matching_prefix_length(proposal: Sequence[int], actual: Sequence[int]) -> int:
+    """How many leading tokens of ``proposal`` equal those of ``actual``."""
+    run = 0
+    for drafted, wanted in zip(proposal, actual):
+        if drafted != wanted:
+            break
+        run += 1
+    return run
+
+
 @dataclass(frozen=True)
 class RunLengths:
     """A drafter's behaviour at every output position t of a greedy output."""
@@ -128,12 +138,7 @@ def ngram_run_lengths(prompt_ids: list[int], output_ids: list[int], max_k: int,
     lengths, proposed, signals = [], [], []
     for t in range(len(output_ids)):
         proposal, order = ngram_match(seq[:n + t], max_k, config)
-        run = 0
-        for drafted, wanted in zip(proposal, output_ids[t:]):
-            if drafted != wanted:
-                break
-            run += 1
-        lengths.append(run)
+        lengths.append(matching_prefix_length(proposal, output_ids[t:]))
         proposed.append(len(proposal))
         signals.append(order)
     return RunLengths(lengths, proposed, signals)

@@ -17,7 +17,7 @@ from rakv.acceptance import round_draft_length
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures, reused_positions
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
-from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, NgramDrafter
+from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, NgramDrafter, matching_prefix_length
 from rakv.kv_store import DEFAULT_BUDGET_BYTES, KVStore, StoreHit
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
@@ -41,17 +41,6 @@ class EngineConfig:
             raise ValueError(f"store budget must be positive, got {self.store_budget_bytes} bytes")
         if self.store_mode not in STORE_MODES:
             raise ValueError(f"store mode must be one of {', '.join(STORE_MODES)}, got {self.store_mode!r}")
-
-
-def _report_shadow(planner, name: str, signal: int, drafter, seq: list[int], before: int) -> None:
-    """Tell the planner how much of what ``drafter`` would have proposed after
-    ``seq[:before]`` the tokens generated since confirm (as ``replay_request`` does)."""
-    proposal = drafter.propose(seq[:before], MAX_DRAFT_LENGTH)
-    new_ids = seq[before:]
-    confirmed = 0
-    while confirmed < min(len(proposal), len(new_ids)) and proposal[confirmed] == new_ids[confirmed]:
-        confirmed += 1
-    planner.observe(name, signal, min(len(proposal), len(new_ids)), confirmed)
 
 
 @dataclass(frozen=True)
@@ -131,6 +120,7 @@ class Engine:
         eos = self.pair.eos_token_ids
         while seq[-1] not in eos and len(seq) - n < max_new:
             signals = {d: drafters[d].signal(seq) for d in planner.drafters}
+            shadow_proposals = {d: drafters[d].propose(seq, MAX_DRAFT_LENGTH) for d in planner.shadowed}
             name, k = planner.plan(signals)
             k = round_draft_length(k, len(seq) - n, max_new)
             before = len(seq)
@@ -143,9 +133,10 @@ class Engine:
                 planner.observe(name, signals[name], rnd.num_proposed, rnd.accepted)
                 seq += rnd.new_ids
                 logits = rnd.logits
-            for shadow in planner.shadowed:
-                if k == 0 or shadow != name:
-                    _report_shadow(planner, shadow, signals[shadow], drafters[shadow], seq, before)
+            for shadow, proposal in shadow_proposals.items():
+                if k == 0 or shadow != name:  # as replay_request reports it
+                    verified = min(len(proposal), len(seq) - before)
+                    planner.observe(shadow, signals[shadow], verified, matching_prefix_length(proposal, seq[before:]))
 
         drafter = drafters.get(DRAFT_MODEL)
         draft_cache = drafter.cache if isinstance(drafter, DraftModelDrafter) else None

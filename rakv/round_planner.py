@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from rakv.cost_model import K_CHOICES, PairTimings, expected_progress
+from rakv.cost_model import K_CHOICES, PairTimings, expected_progress, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 
 MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts; traces record m_t up to it
@@ -104,22 +104,6 @@ def initial_estimate(drafter: str, signal: int, drafter_estimate: float) -> floa
     return ngram_prior(signal) if drafter == NGRAM else drafter_estimate
 
 
-def round_costs_s(timings: PairTimings, drafter: str, num_context: int, max_k: int) -> list[float]:
-    """Seconds of a round drafting k = 0..max_k tokens at ``num_context`` positions: the
-    target verifies k + 1 tokens (k = 0: one step) plus the drafter's proposal."""
-    target = timings.target
-    costs = [target.step_s(num_context)]
-    for k in range(1, max_k + 1):
-        if drafter == NGRAM:
-            draft_s = timings.ngram_lookup_s
-        elif timings.draft is None:
-            raise ValueError("a draft-model round needs the draft's timings")
-        else:
-            draft_s = k * timings.draft.step_s(num_context)
-        costs.append(target.verify_s(k + 1, num_context) + draft_s)
-    return costs
-
-
 class AdaptiveRounds:
     """Each round: the (drafter, k) with the most expected tokens per second under the
     request's own acceptance estimate for each (drafter, signal). Ties go to the smaller
@@ -143,8 +127,10 @@ class AdaptiveRounds:
         self.shadowed = tuple(d for d in drafters if d == NGRAM)
         self.acceptance = dict(priors)  # (drafter, signal) -> per-token acceptance, this request
         self.fallback = dict(fallback)  # per drafter, for a signal not seen before
-        self.costs_s = {d: round_costs_s(timings, d, num_context, config.max_k) for d in drafters}
-        self.step_s = timings.target.step_s(num_context)
+        # seconds of a round drafting k = 0..max_k tokens, per drafter
+        self.costs_s = {d: [round_s(timings, d, k, num_context) for k in range(config.max_k + 1)]
+                        for d in drafters}
+        self.step_s = round_s(timings, DRAFT_MODEL, 0, num_context)
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
