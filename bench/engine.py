@@ -39,6 +39,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rakv.cli import run_cli
+
 QWEN_DEFAULT_POLICIES = "ar,kv-only,joint-k2,joint-k4,joint-ngram-k4"
 HF_ASSISTED = "hf-assisted"
 
@@ -730,15 +732,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from rakv.models import PairError
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (PairError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_cli(run, parse_args(argv), (PairError, OSError))
 
 
 if __name__ == "__main__":

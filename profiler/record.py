@@ -23,11 +23,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from profiler.ops import CALIBRATION_GRID, RECORDING_GRID, measure_pair
-from rakv.models import config_identity
 from profiler.schema import (DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError, TraceMeta,
                              hardware_fingerprint, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, load_workload
+from rakv.cli import run_cli
+from rakv.models import config_identity
 
 MAX_K = 8
 GRIDS = {"calibration": CALIBRATION_GRID, "recording": RECORDING_GRID}
@@ -208,15 +209,8 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, TraceError, WorkloadError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the flushed rows are kept; continue with --resume", file=sys.stderr)
-        return 130
+    return run_cli(run, parse_args(argv), (ValueError, TraceError, WorkloadError, OSError),
+                   interrupted="interrupted: the flushed rows are kept; continue with --resume")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from rakv.cli import run_cli
 from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
 from rakv.drafters import DRAFT_MODEL, NgramConfig
 from rakv.engine import STORE_MODES, EngineConfig, RequestError
@@ -129,15 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, PairError, RequestError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_cli(run, parse_args(argv), (ValueError, PairError, RequestError, OSError))
 
 
 if __name__ == "__main__":

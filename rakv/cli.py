@@ -1,0 +1,19 @@
+"""The command-line contract shared by the project's CLIs: a known error is one line on
+stderr and exit status 2, Ctrl-C is one line and status 130, never a traceback."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+def run_cli(run: Callable[[object], int], args, errors: tuple[type[BaseException], ...],
+            interrupted: str = "interrupted") -> int:
+    """``run(args)``'s status; ``errors`` become ``error: <message>`` and status 2."""
+    try:
+        return run(args)
+    except errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
