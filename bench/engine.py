@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rakv.cli import run_cli
+from rakv.controller import FIXED_POLICIES
 
 QWEN_DEFAULT_POLICIES = "ar,kv-only,joint-k2,joint-k4,joint-ngram-k4"
 HF_ASSISTED = "hf-assisted"
@@ -98,15 +99,6 @@ CODE_PROMPTS = (
     "def word_counts(text: str) -> dict[str, int]:\n",
 )
 CODE_FOLLOW_UP = "\n# Now write a unit test for the function above.\ndef test_"
-
-
-def all_fixed_policies() -> list[str]:
-    """Every fixed policy the controller knows: ar, kv-only, then each drafter and k."""
-    from rakv.controller import fixed_action
-    from rakv.cost_model import K_CHOICES
-    names = ["ar", "kv-only"] + [f"{kind}-k{k}" for kind in ("spec", "joint", "ngram", "joint-ngram")
-                                 for k in K_CHOICES if k > 0]
-    return [n for n in names if fixed_action(n) is not None]
 
 
 # -- results -------------------------------------------------------------------------
@@ -232,12 +224,6 @@ def progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
 
 
-def continuation_ids(pair, text: str) -> list[int]:
-    """Token ids of ``text`` appended mid-sequence: without the BOS the tokenizer may add."""
-    ids, bos = pair.encode(text), pair.encode("")
-    return ids[len(bos):] if bos and ids[:len(bos)] == bos else ids
-
-
 def long_ids(pair, num_tokens: int, tag: str) -> list[int]:
     """The first ``num_tokens`` ids of a long technical text starting with ``tag``."""
     text, k = tag, 0
@@ -257,8 +243,10 @@ def spread(low: int, high: int, count: int) -> list[int]:
 
 def fresh_engine(pair, policy_name: str, store_mode: str = "full", timings=None):
     from rakv.controller import make_policy
-    from rakv.engine import Engine, EngineConfig
-    return Engine(pair, make_policy(policy_name, timings), EngineConfig(store_mode=store_mode))
+    from rakv.engine import Engine
+    from rakv.settings import EngineConfig
+    from rakv.store_model import StoreConfig
+    return Engine(pair, make_policy(policy_name, timings), EngineConfig(StoreConfig(mode=store_mode)))
 
 
 def hf_generate(pair, prompt: list[int], max_new_tokens: int, assisted: bool = False,
@@ -417,7 +405,7 @@ def prompt_ids(pair, workload: list[Request], i: int, prompts: list, outputs: li
         ids = pair.encode(request.text)
     else:
         j = request.follow_up_of
-        ids = prompts[j] + list(outputs[j]) + continuation_ids(pair, request.text)
+        ids = prompts[j] + list(outputs[j]) + pair.encode_continuation(request.text)
     return ids[:limit], len(ids) > limit
 
 
@@ -668,7 +656,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from rakv.controller import fixed_action
     for option in ("policies", "qwen_policies"):
         value = getattr(args, option)
-        names = all_fixed_policies() if value == "all" else [n.strip() for n in value.split(",") if n.strip()]
+        names = list(FIXED_POLICIES) if value == "all" else [n.strip() for n in value.split(",") if n.strip()]
         bad = [n for n in names if fixed_action(n) is None]
         if bad:
             p.error(f"--{option.replace('_', '-')}: not fixed policies: {', '.join(bad)}")

@@ -20,33 +20,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.engine import continuation_ids, fresh_engine, hf_generate, timed
+from bench.engine import fresh_engine, hf_generate, timed
+from profiler.prompt_texts import CHAT, PROSE, REVISE, chat_prompt
 
-PROSE = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Describe the city of Lisbon in the early morning, in vivid detail.",
-    "Explain why the sky is blue to a curious ten-year-old.",
-    "Write a letter from a gardener to the first frost of the year.",
-    "Describe a busy train station from the point of view of a pigeon.",
-    "Write a speech for the opening of a small public library.",
-    "Tell the story of a violin maker and her last instrument.",
-    "Describe a thunderstorm over the desert at night.",
-    "Write a travel diary entry about crossing a mountain pass on foot.",
-    "Explain how bread rises, as a baker would to an apprentice.",
-)
-CHAT = (
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Give me a three-day packing list for a rainy hiking trip.",
-    "Write a SQL query that returns the ten customers with the most orders.",
-    "Draft a polite email asking my manager for a day off next Friday.",
-    "Write a bash one-liner that counts lines in all .py files in a folder.",
-    "Summarize the rules of chess castling in a short list.",
-    "Write a Python class for a simple bank account with deposit and withdraw.",
-    "List five tips for writing clear commit messages.",
-    "Write a haiku about autumn leaves, then explain its imagery.",
-    "Write a JavaScript function that debounces another function.",
-)
-REVISE = "\nUser: Please revise your answer above: fix any mistakes and keep everything else as it is.\nAssistant:"
 ENGINE_POLICIES = ("ar", "ngram-k4", "rakv")
 HF_LOOKUP_TOKENS = (None, 3, 10)
 
@@ -65,10 +41,6 @@ class Row:
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.wall_s
-
-
-def chat_prompt(question: str) -> str:
-    return f"User: {question}\nAssistant:"
 
 
 def workloads(pair, args) -> dict[str, list[list[int]]]:
@@ -114,7 +86,7 @@ def run_workload(pair, workload: str, prompts: list[list[int]], args, timings) -
     for prompt in prompts:
         if workload == "chat":
             first = [list(engine.generate(prompt, args.max_new_tokens).output_ids) for engine in engines.values()]
-            prompt = prompt + first[0] + continuation_ids(pair, REVISE)
+            prompt = prompt + first[0] + pair.encode_continuation(REVISE)
         reference = None
         for name, engine in engines.items():
             result = engine.generate(prompt, args.max_new_tokens)

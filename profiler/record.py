@@ -1,14 +1,20 @@
 """``python -m profiler.record``: run the real engine, write timing and acceptance traces.
 
 Four tables go into ``--out`` (see ``profiler.schema``):
-- requests: each prompt's target greedy output and, per drafter, the run lengths m_t from
-  one teacher-forced pass (the acceptance of every policy replays from these);
-- ops: the timing grid of ``profiler.ops`` (prefill, decode, verify, clone, lookup,
+- requests: each prompt's target greedy output and, per drafter, the run lengths m_t (up
+  to ``RECORDED_MAX_K``) from one teacher-forced pass, plus the draft model's probability
+  of its own token at every position (the acceptance of every policy replays from these);
+- ops: the timing grid of ``rakv.op_timing`` (prefill, decode, verify, clone, lookup,
   insert, propose);
-- runs: end-to-end runs of every action on a sample of requests, each checked token for
-  token against the greedy output;
+- runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
+  request under every policy before the next), each checked token for token against the
+  greedy output;
 - decisions: the adaptive policy's decisions on that sample (``--policy rakv``).
 
+Every file's metadata holds the decision inputs (``rakv.settings.DecisionInputs``: the
+engine's store and n-gram settings, the controller's, the calibrated timings the adaptive
+policy priced with, the models' byte sizes and the position limit), so a replay decides
+as the engine did; ``--resume`` refuses to continue a recording whose inputs changed.
 Rows go out in flushed part files, so Ctrl-C or a crash keeps what was written;
 ``--resume`` continues without duplicates; a finished recording is finalized atomically.
 With ``--random-weights`` only the ops table is recorded, for the real shapes (acceptance
@@ -22,16 +28,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from profiler.ops import CALIBRATION_GRID, RECORDING_GRID, measure_pair
-from profiler.schema import (DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError, TraceMeta,
-                             hardware_fingerprint, table_to_rows)
+from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
+                             TraceMeta, hardware_fingerprint, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
-from profiler.workloads import WORKLOAD_NAMES, WorkloadError, load_workload
+from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import run_cli
-from rakv.models import config_identity
+from rakv.controller import ControllerConfig, fixed_policy_names
+from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, measure_pair
+from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
 
-MAX_K = 8
+RECORDED_MAX_K = 32  # run lengths are recorded up to this many draft tokens
 GRIDS = {"calibration": CALIBRATION_GRID, "recording": RECORDING_GRID}
+ENGINE_CONFIG = EngineConfig()  # what the runs' engines use; recorded in the metadata
+CONTROLLER_CONFIG = ControllerConfig()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,12 +49,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Record timing and acceptance traces of a model pair on this machine. "
                     "With no arguments: the tiny pair on a small fixture workload, in about a minute.")
     p.add_argument("--pair", default="tiny", help="tiny, smollm2, qwen-coder or TARGET[,DRAFT] (default: tiny)")
-    p.add_argument("--workload", default="fixture-chat", help=f"{', '.join(WORKLOAD_NAMES)} (default: fixture-chat)")
+    p.add_argument("--workload", default="fixture-chat",
+                   help=f"{', '.join(WORKLOAD_NAMES)}, or a prompts file: FILE.jsonl with 'prompt' or 'prompt_ids' "
+                        "and optionally 'group', 'arrival_s', 'max_new_tokens' per line (default: fixture-chat)")
     p.add_argument("--requests", type=int, default=None, help="number of requests (default: the workload's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on tokens per request (default: the workload's)")
     p.add_argument("--out", type=Path, default=None, help="trace directory (default: traces/<pair>-<workload>)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted recording in --out")
-    p.add_argument("--runs-sample", type=int, default=6, help="requests run end to end under every action (default: 6)")
+    p.add_argument("--runs-sample", type=int, default=6,
+                   help="requests run end to end under every policy, plus their conversations' later turns (default: 6)")
     p.add_argument("--runs-max-new-tokens", type=int, default=32, help="tokens per end-to-end run (default: 32)")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
@@ -64,14 +76,32 @@ def load(args):
     if args.random_weights:
         from rakv.shapes import random_pair
         return random_pair(args.pair, args.dtype or "float16", args.device, args.seed), None
+    workload = load_workload(args.workload, args.requests, args.seed)  # a bad workload fails before any load
     from rakv.models import load_pair
     pair = load_pair(args.pair, args.dtype, args.max_context)
     if args.device != "cpu":
         raise ValueError("real-weight recording runs on the CPU here; use --random-weights on a GPU machine")
-    return pair, load_workload(args.workload, args.requests, args.seed)
+    check_vocabulary(workload, pair)
+    return pair, workload
 
 
-def trace_meta(args, pair) -> TraceMeta:
+def decision_inputs(pair, args) -> DecisionInputs:
+    """The inputs the runs' engines decide with; the timings are the adaptive policy's
+    calibration on this machine (none with random weights: those record ops only)."""
+    from rakv.kv_store import measure_sizes
+    timings = None
+    if not args.random_weights:
+        from rakv.calibrate import load_or_calibrate
+        timings = load_or_calibrate(pair)
+    return DecisionInputs(
+        engine=ENGINE_CONFIG, controller=CONTROLLER_CONFIG, timings=timings,
+        target_sizes=measure_sizes(pair.target),
+        draft_sizes=None if pair.draft is None else measure_sizes(pair.draft),
+        max_positions=pair.max_positions)
+
+
+def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
+    from rakv.models import config_identity
     models = {"pair": args.pair, "target": pair.target_fingerprint, "draft": pair.draft_fingerprint,
               "target_config": config_identity(pair.target.config, diff=True),
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers}
@@ -79,45 +109,69 @@ def trace_meta(args, pair) -> TraceMeta:
               if k not in ("resume", "out", "skip", "flush_rows")}
     config["dtype"] = str(pair.target.dtype)
     config["grid_points"] = asdict(GRIDS[args.grid])
+    config["recorded_max_k"] = RECORDED_MAX_K
+    config[META_DECISION_INPUTS] = settings_to_json(inputs)
     return TraceMeta(hardware=hardware_fingerprint(), models=models, config=config)
 
 
-def prompt_ids(pair, request, max_new: int) -> list[int]:
-    ids = pair.encode(request.prompt)
+def prompt_ids(pair, request, max_new: int, recorded: dict[int, RequestRow]) -> list[int]:
+    """The request's prompt as token ids, cut to leave room for ``max_new`` tokens."""
+    if request.continues is not None:  # the earlier turn's prompt and the model's own answer, then this text
+        earlier = recorded[request.continues]
+        ids = list(earlier.prompt_ids) + list(earlier.output_ids) + pair.encode_continuation(request.prompt)
+    elif request.prompt_ids is not None:
+        ids = list(request.prompt_ids)
+    else:
+        ids = pair.encode(request.prompt)
     if request.num_prompt_tokens is not None:
         ids = ids[: request.num_prompt_tokens]
     return ids[: max(pair.max_positions - max_new, 1)]
 
 
+def check_vocabulary(workload, pair) -> None:
+    """Refuse token ids the target does not know before any recording starts."""
+    vocab = pair.target.config.vocab_size
+    lines = workload.config.get("lines")
+    for request in workload.requests:
+        if request.prompt_ids is not None and max(request.prompt_ids) >= vocab:
+            where = f"{workload.config['path']}:{lines[request.request_id]}" if lines else f"request {request.request_id}"
+            raise WorkloadError(f"{where}: token id {max(request.prompt_ids)} is outside the vocabulary of {vocab}")
+
+
 def record_requests(writer: TraceWriter, pair, workload, args, progress) -> dict[int, RequestRow]:
-    """Greedy outputs (through a kv-only engine: identical output, cheaper multi-turn) and
-    the run lengths of every drafter."""
+    """Greedy outputs (through a kv-only engine: identical output, cheaper multi-turn),
+    every drafter's run lengths and the draft's top-1 probabilities."""
     from rakv.acceptance import run_lengths
     from rakv.controller import make_policy
-    from rakv.decoding import draft_agreement
+    from rakv.decoding import draft_predictions
     from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_run_lengths
     from rakv.engine import Engine
 
-    done = {key[0] for key in writer.existing_keys("requests")}
-    engine = Engine(pair, make_policy("kv-only"))
+    writer.flush()
+    recorded = {row.request_id: row for row in table_to_rows("requests", read_table(writer.trace_dir, "requests"))} \
+        if writer.existing_keys("requests") else {}
+    engine = Engine(pair, make_policy("kv-only"), ENGINE_CONFIG)
     for request in progress(workload.requests, desc="requests"):
-        if request.request_id in done:
+        if request.request_id in recorded:
             continue
         max_new = min(request.max_new_tokens, args.max_new_tokens or request.max_new_tokens)
-        prompt = prompt_ids(pair, request, max_new)
+        prompt = prompt_ids(pair, request, max_new, recorded)
         output = list(engine.generate(prompt, max_new).output_ids)
-        ngram = ngram_run_lengths(prompt, output, MAX_K)
-        runs = [DrafterRunLengths(NGRAM, MAX_K, ngram.runs, ngram.proposed)]
+        ngram = ngram_run_lengths(prompt, output, RECORDED_MAX_K, ENGINE_CONFIG.ngram)
+        runs = [DrafterRunLengths(NGRAM, RECORDED_MAX_K, ngram.runs, ngram.proposed)]
+        probs = []
         if pair.draft is not None:
-            agree = draft_agreement(pair.draft, prompt, output)
-            runs.append(DrafterRunLengths(DRAFT_MODEL, MAX_K, run_lengths(agree, MAX_K), [MAX_K] * len(output)))
-        writer.append("requests", [RequestRow(
+            agree, probs = draft_predictions(pair.draft, prompt, output)
+            runs.append(DrafterRunLengths(DRAFT_MODEL, RECORDED_MAX_K, run_lengths(agree, RECORDED_MAX_K),
+                                          [RECORDED_MAX_K] * len(output)))
+        row = RequestRow(
             request_id=request.request_id, workload=workload.name, group_id=request.group_id, turn=request.turn,
             arrival_s=request.arrival_s, prompt_ids=prompt, output_ids=output, max_new_tokens=max_new,
-            run_lengths=runs)])
+            run_lengths=runs, draft_top1_probs=probs)
+        writer.append("requests", [row])
+        recorded[row.request_id] = row
     writer.flush()
-    rows = table_to_rows("requests", read_table(writer.trace_dir, "requests"))
-    return {row.request_id: row for row in rows}
+    return recorded
 
 
 def record_ops(writer: TraceWriter, pair, args, progress) -> None:
@@ -139,29 +193,31 @@ def sample_requests(requests: dict[int, RequestRow], count: int) -> list[Request
 
 
 def run_policies(pair, args) -> list[str]:
-    from rakv.cost_model import K_CHOICES
-    kinds = ["ngram", "joint-ngram"] + (["spec", "joint"] if pair.draft is not None else [])
-    names = ["ar", "kv-only"] + [f"{kind}-k{k}" for kind in kinds for k in K_CHOICES[1:]]
-    return names + ([args.policy] if args.policy != "none" else [])
+    return list(fixed_policy_names(pair.draft is not None)) + ([args.policy] if args.policy != "none" else [])
 
 
-def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], args, progress) -> None:
-    """Every action on the sample, each in a fresh engine (so hits come from the sample's
-    own earlier requests), checked token for token against the greedy output."""
-    from rakv.calibrate import load_or_calibrate
+def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inputs: DecisionInputs, args,
+                progress) -> None:
+    """Every policy on the sample, each in its own engine (so hits come from the sample's
+    own earlier requests), in lockstep: each request under every policy before the next,
+    so drift in the machine's load falls on every policy alike. Each output is checked
+    token for token against the greedy output. A resumed recording runs the recorded
+    requests again (the engines' stores and the adaptive policy's state need them) and
+    writes only the missing rows."""
     from rakv.controller import CostModelPolicy, make_policy
     from rakv.engine import Engine
 
     sample = sample_requests(requests, args.runs_sample)
     done_runs = writer.existing_keys("runs")
     done_decisions = writer.existing_keys("decisions")
-    timings = load_or_calibrate(pair) if args.policy == "rakv" else None
-    for name in progress(run_policies(pair, args), desc="runs", unit="policy"):
-        policy = make_policy(name, timings)
-        engine = Engine(pair, policy)
-        for row in sample:
-            max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
-            reference = list(row.output_ids[:max_new])
+    engines = {name: Engine(pair, make_policy(name, inputs.timings, inputs.controller), inputs.engine)
+               for name in run_policies(pair, args)}
+    bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
+    for row in sample:
+        max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
+        reference = list(row.output_ids[:max_new])
+        for name, engine in engines.items():
+            policy = engine.policy
             features, _, _ = engine.features(list(row.prompt_ids), max_new)
             if isinstance(policy, CostModelPolicy):
                 acceptance = dict(policy.acceptance)
@@ -171,9 +227,10 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], args
             if (row.request_id, name) not in done_runs:
                 writer.append("runs", [RunRow(
                     request_id=row.request_id, policy=name, r=action.r, drafter=action.drafter, k=action.k,
-                    hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens, hit_kind=result.hit_kind,
-                    ttft_s=result.ttft_s, e2e_s=result.e2e_s, num_output_tokens=len(result.output_ids),
-                    num_rounds=len(result.rounds), start_per_round=[r.start for r in result.rounds],
+                    max_new_tokens=max_new, hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens,
+                    hit_kind=result.hit_kind, ttft_s=result.ttft_s, e2e_s=result.e2e_s,
+                    num_output_tokens=len(result.output_ids), num_rounds=len(result.rounds),
+                    start_per_round=[r.start for r in result.rounds],
                     drafter_per_round=[r.drafter for r in result.rounds],
                     accepted_per_round=[r.accepted for r in result.rounds],
                     k_per_round=[r.k for r in result.rounds], proposed_per_round=[r.num_proposed for r in result.rounds],
@@ -186,24 +243,28 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], args
                     acceptance_draft=acceptance.get("draft", 0.0), acceptance_ngram=acceptance.get("ngram", 0.0),
                     r=action.r, drafter=action.drafter, k=action.k, predicted_cost_s=predicted[action],
                     measured_e2e_s=result.e2e_s)])
+            bar.update(1)
+    bar.close()
 
 
 def run(args) -> int:
     from tqdm import tqdm
 
-    def progress(items, **kwargs):
+    def progress(items=None, **kwargs):
         return tqdm(items, file=sys.stderr, leave=False, **kwargs)
 
     start = time.perf_counter()
     pair, workload = load(args)
-    out = args.out or Path("traces") / f"{args.pair}-{args.workload if workload else 'random-weights'}"
-    with TraceWriter(out, trace_meta(args, pair), resume=args.resume, flush_every_rows=args.flush_rows) as writer:
+    inputs = decision_inputs(pair, args)
+    name = Path(args.workload).stem if is_user_file(args.workload) else args.workload
+    out = args.out or Path("traces") / f"{args.pair}-{name if workload else 'random-weights'}"
+    with TraceWriter(out, trace_meta(args, pair, inputs), resume=args.resume, flush_every_rows=args.flush_rows) as writer:
         if workload is not None and "requests" not in args.skip:
             requests = record_requests(writer, pair, workload, args, progress)
         if "ops" not in args.skip:
             record_ops(writer, pair, args, progress)
         if workload is not None and "runs" not in args.skip and "requests" not in args.skip:
-            record_runs(writer, pair, requests, args, progress)
+            record_runs(writer, pair, requests, inputs, args, progress)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

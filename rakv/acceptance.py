@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from rakv.drafters import RunLengths
+from rakv.round_planner import SHADOW_LENGTH
 
 
 def run_lengths(agree: Sequence[bool], max_k: int) -> list[int]:
@@ -44,24 +45,29 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     as the engine runs them under ``planner`` (``rakv.round_planner``), from each of its
     drafters' ``rakv.drafters.RunLengths`` (m_t, proposal length and signal at every t).
     The first token comes from the prefill; a round whose clipped draft length is 0 is a
-    plain target step. A shadowed drafter is told how much of its proposal the new tokens
-    confirm, as the engine tells it."""
-    rounds = []
+    plain target step. A round appends its accepted tokens and the target's own, except
+    at the output's end, where an accepted EOS ends it. After each round, a shadowed
+    drafter is told how much of its proposal (its first ``SHADOW_LENGTH`` tokens) the
+    appended tokens confirm, as the engine tells it."""
+    rounds: list[ReplayedRound] = []
+    if not planner.drafters:
+        return rounds  # plain steps only, and nothing to observe
+    signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
     t = 1
     while t < num_output:
-        signals = {d: lengths[d].signals[t] for d in planner.drafters}
-        drafter, k = planner.plan(signals)
+        drafter, k = planner.plan({d: signals[t] for d, signals in signal_lists})
         k = round_draft_length(k, t, max_new_tokens)
-        num_new = 1
+        appended = 1
         if k > 0:
             at = lengths[drafter]
             rnd = ReplayedRound(t, drafter, k, min(k, at.proposed[t]), min(k, at.runs[t]))
             rounds.append(rnd)
-            planner.observe(drafter, signals[drafter], rnd.num_proposed, rnd.accepted)
-            num_new = rnd.accepted + 1
+            planner.observe(drafter, at.signals[t], rnd.num_proposed, rnd.accepted)
+            appended = min(rnd.accepted + 1, num_output - t)
         for shadow in planner.shadowed:
             if k == 0 or shadow != drafter:
                 at = lengths[shadow]
-                planner.observe(shadow, signals[shadow], min(at.proposed[t], num_new), min(at.runs[t], num_new))
-        t += num_new
+                checked = min(at.proposed[t], SHADOW_LENGTH, appended)
+                planner.observe(shadow, at.signals[t], checked, min(at.runs[t], checked))
+        t += appended
     return rounds

@@ -1,6 +1,6 @@
 """A few seconds of timing on the machine at hand: the cost model's ``PairTimings``.
 
-Measures the small op grid of ``profiler.ops`` (target and draft prefill, decode and
+Measures the small op grid of ``rakv.op_timing`` (target and draft prefill, decode and
 verify; the store's clone and lookup; the prompt-lookup proposal), fits the cost model to
 those rows (``rakv.cost_model.fit_timings``, which fits a trace's ops table the same way),
 and measures each drafter's agreement with the target's greedy continuations of built-in
@@ -14,21 +14,21 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from profiler.ops import CALIBRATION_GRID, measure_pair
-from rakv.cost_model import ModelTimings, PairTimings, fit_timings
+from rakv.cost_model import PairTimings, fit_timings
 from rakv.decoding import draft_agreement, forward, greedy
 from rakv.drafters import ngram_run_lengths
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
+from rakv.op_timing import CALIBRATION_GRID, measure_pair
+from rakv.settings import settings_from_json, settings_to_json
 
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -74,21 +74,12 @@ def load_or_calibrate(pair: ModelPair, refresh: bool = False) -> PairTimings:
     path = calibration_path(pair)
     if path.exists() and not refresh:
         try:
-            return timings_from_json(json.loads(path.read_text()))
+            return settings_from_json(PairTimings, json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
     timings = calibrate(pair)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(timings), indent=1))
+    tmp.write_text(json.dumps(settings_to_json(timings), indent=1))
     tmp.replace(path)
     return timings
-
-
-def timings_from_json(data: dict) -> PairTimings:
-    draft = data["draft"]
-    return PairTimings(
-        target=ModelTimings(**data["target"]), draft=None if draft is None else ModelTimings(**draft),
-        clone_s_per_byte=data["clone_s_per_byte"], lookup_s=data["lookup_s"],
-        acceptance_prior=data["acceptance_prior"], ngram_lookup_s=data["ngram_lookup_s"],
-        ngram_acceptance_prior=data["ngram_acceptance_prior"])

@@ -18,14 +18,27 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes,
-                             action_costs_s)
+from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes, action_costs_s,
+                             decode_context)
 from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.round_planner import AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, initial_estimate
+from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
+                                initial_estimate, round_costs)
 
 RoundPlanner = FixedRounds | AdaptiveRounds
 
 FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN, ngram-kN, joint-ngram-kN (N in 1, 2, 4, 6, 8), rakv"
+_DRAFT_MODEL_KINDS = ("spec", "joint")
+_NGRAM_KINDS = ("ngram", "joint-ngram")
+
+
+def fixed_policy_names(draft_model: bool = True) -> tuple[str, ...]:
+    """Every fixed policy: ar, kv-only, then each kind and k; ``draft_model`` False leaves
+    out those that need a draft model."""
+    kinds = (_DRAFT_MODEL_KINDS if draft_model else ()) + _NGRAM_KINDS
+    return ("ar", "kv-only") + tuple(f"{kind}-k{k}" for kind in kinds for k in K_CHOICES[1:])
+
+
+FIXED_POLICIES = fixed_policy_names()
 
 
 @dataclass(frozen=True)
@@ -78,27 +91,33 @@ class CostModelPolicy:
 
     def __post_init__(self):
         drafters = ((DRAFT_MODEL,) if self.timings.draft is not None else ()) + (NGRAM,)
+        self.drafters = drafters
         # EWMA of each drafter's per-token acceptance, from the calibration priors; and of
         # each (drafter, signal), which is where each request's rounds start from
         self.acceptance = {d: self.timings.prior(d) for d in drafters}
         self.signal_acceptance: dict[tuple[str, int], float] = {}
+        self._round_cost_memo: dict[tuple, RoundCosts] = {}
         self.actions = tuple(Action(r, 0) for r in (0, 1)) + tuple(
             Action(r, k, d) for d in drafters for k in K_CHOICES[1:] for r in (0, 1))
 
     def decide(self, features: RequestFeatures) -> Action:
-        return self.rank(features)[0][1]
+        return min(self._priced(features))[3]  # rank's first, without sorting the rest
 
     def rank(self, features: RequestFeatures) -> list[tuple[float, Action]]:
-        """Feasible actions with their predicted seconds, cheapest first."""
+        """Feasible actions with their predicted seconds, cheapest first (ties: fewer draft
+        tokens, then no reuse)."""
+        return [(cost, action) for cost, _, _, action in sorted(self._priced(features))]
+
+    def _priced(self, features: RequestFeatures) -> list[tuple[float, int, int, Action]]:
         limit = self.config.memory_limit_bytes
         actions = [a for a in self.actions if limit is None or action_bytes(a, features, self.timings) <= limit]
-        costs = action_costs_s(actions, features, self.acceptance, self.timings)
-        ranked = sorted(zip(costs, (a.k for a in actions), (a.r for a in actions), actions))
-        if not ranked:
+        if not actions:
             raise ValueError(
                 f"no action fits the memory limit of {limit} bytes for a "
                 f"{features.num_prompt_tokens}-token prompt")
-        return [(cost, action) for cost, _, _, action in ranked]
+        rounds = self._round_costs(self.drafters, max(K_CHOICES), decode_context(features))
+        costs = action_costs_s(actions, features, self.acceptance, self.timings, rounds)
+        return [(cost, a.k, a.r, a) for cost, a in zip(costs, actions)]
 
     def planner(self, features: RequestFeatures, action: Action) -> AdaptiveRounds:
         """Rounds re-planned from the request's own acceptance. Prompt lookup is always
@@ -111,8 +130,16 @@ class CostModelPolicy:
                 action_bytes(Action(action.r, max_k, d), features, self.timings) > limit for d in ready):
             max_k -= 1
         config = replace(self.config.rounds, max_k=max(max_k, 1))
-        return AdaptiveRounds(ready if max_k else (), self.signal_acceptance, self.acceptance, self.timings,
-                              features.num_prompt_tokens + features.num_new_tokens // 2, config)
+        drafters = ready if max_k else ()
+        return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
+                              self._round_costs(drafters, config.max_k, decode_context(features)), config)
+
+    def _round_costs(self, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
+        """``round_costs``, computed once per argument set (requests repeat their lengths)."""
+        key = (drafters, max_k, num_context)
+        if key not in self._round_cost_memo:
+            self._round_cost_memo[key] = round_costs(self.timings, drafters, max_k, num_context)
+        return self._round_cost_memo[key]
 
     def observe(self, outcome: RequestOutcome) -> None:
         beta = self.config.ewma_decay
@@ -133,7 +160,7 @@ class CostModelPolicy:
                 self.acceptance[drafter] = (1 - beta) * self.acceptance[drafter] + beta * rate
 
 
-_FIXED = re.compile(r"^(spec|joint|ngram|joint-ngram)-k(\d+)$")
+_FIXED = re.compile(rf"^({'|'.join(_DRAFT_MODEL_KINDS + _NGRAM_KINDS)})-k(\d+)$")
 
 
 def fixed_action(name: str) -> Action | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, DRAFTERS, NGRAM
+from rakv.store_model import reused_positions
 
 K_CHOICES = (0, 1, 2, 4, 6, 8)
 
@@ -51,22 +52,6 @@ def expected_progress(acceptance: float, k: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def reused_positions(num_prompt_tokens: int, hit_tokens: int, has_logits: bool) -> int:
-    """KV positions taken from a stored entry whose exact common prefix with the prompt is
-    ``hit_tokens`` long.
-
-    An exact repeat (the whole prompt stored together with its next-token logits) reuses
-    every position and runs no prefill. Otherwise at least one prompt token must be fed to
-    get fresh logits, so at most n - 1 positions are reused: a hit covering the whole
-    prompt without stored logits recomputes the boundary token; a shorter hit q reuses all
-    q positions, since the KV of a position depends only on the tokens up to it.
-    """
-    if hit_tokens >= num_prompt_tokens and has_logits:
-        return num_prompt_tokens
-    reused = min(hit_tokens, num_prompt_tokens - 1)
-    return reused if reused >= 1 else 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +109,14 @@ class RequestFeatures:
     target_hit_tokens: int  # exact common prefix with the store, 0 on a miss
     draft_hit_tokens: int
     exact_repeat: bool  # the whole prompt and its logits are stored
-    acceptance: float  # the controller's running estimate for the drafter
+    acceptance: float = 0.0  # the controller's running estimate for the drafter
+
+    @classmethod
+    def of(cls, target_match, draft_match, num_new_tokens: int) -> "RequestFeatures":
+        """From the store's ``PrefixMatch`` of the prompt for the target and the draft."""
+        return cls(num_prompt_tokens=target_match.num_prompt_tokens, num_new_tokens=num_new_tokens,
+                   target_hit_tokens=target_match.hit_tokens, draft_hit_tokens=draft_match.hit_tokens,
+                   exact_repeat=target_match.exact_repeat)
 
 
 def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings) -> int:
@@ -155,14 +147,21 @@ def round_s(timings: PairTimings, drafter: str, k: int, num_context: int) -> flo
     return verify_s + k * timings.draft.step_s(num_context)
 
 
+def decode_context(features: RequestFeatures) -> int:
+    """The context length a request's decoding is priced at: halfway through its output."""
+    return features.num_prompt_tokens + features.num_new_tokens // 2
+
+
 def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, float],
-                   timings: PairTimings) -> list[float]:
+                   timings: PairTimings, rounds=None) -> list[float]:
     """Predicted seconds of each action, with ``acceptance`` per drafter. The terms shared
-    by many actions (prefills, steps) are computed once: this runs on every request."""
+    by many actions (prefills, steps) are computed once: this runs on every request.
+    ``rounds`` (``round_planner.RoundCosts`` at ``decode_context``) may hold the per-round
+    costs already computed."""
     n, num_new = features.num_prompt_tokens, features.num_new_tokens
     target, draft = timings.target, timings.draft
     remaining = max(num_new - 1, 0)  # the first token comes out of the prefill
-    context = n + num_new // 2
+    context = decode_context(features)
     start_s = {}  # (r, uses draft model) -> lookup, clones and prefills before decoding
     for r in (0, 1):
         reused = reused_positions(n, features.target_hit_tokens, features.exact_repeat) if r else 0
@@ -173,12 +172,19 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
             start_s[r, True] = (start_s[r, False] + timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
                                 + draft.prefill_s(n + 1 - draft_reused, draft_reused))
     costs = []
+    progress: dict[tuple[str, int], float] = {}  # E_k of each (drafter, k): r = 0 and 1 share it
     for action in actions:
-        per_round_s = round_s(timings, action.drafter, action.k, context)
+        if rounds is None:
+            per_round_s = round_s(timings, action.drafter, action.k, context)
+        else:
+            per_round_s = rounds.round_s[action.drafter][action.k] if action.k else rounds.step_s
         if action.k == 0:
             costs.append(start_s[action.r, False] + remaining * per_round_s)
             continue
-        num_rounds = remaining / expected_progress(acceptance.get(action.drafter, 0.0), action.k)
+        key = (action.drafter, action.k)
+        if key not in progress:
+            progress[key] = expected_progress(acceptance.get(action.drafter, 0.0), action.k)
+        num_rounds = remaining / progress[key]
         costs.append(start_s[action.r, action.drafter == DRAFT_MODEL] + num_rounds * per_round_s)
     return costs
 

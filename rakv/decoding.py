@@ -123,15 +123,27 @@ def speculative_round(target, drafter: Drafter, target_cache: DynamicCache, seq:
 
 
 @torch.inference_mode()
-def teacher_forced_argmax(model, token_ids: list[int]) -> list[int]:
-    """Greedy next-token of ``model`` at every position of ``token_ids`` in one forward."""
+def teacher_forced_top1(model, token_ids: list[int]) -> tuple[list[int], list[float]]:
+    """``model``'s greedy next token at every position of ``token_ids``, and its probability,
+    in one forward."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    return model(input_ids=ids, use_cache=False).logits[0].argmax(dim=-1).tolist()
+    logits = model(input_ids=ids, use_cache=False).logits[0]  # [T, vocab]
+    best, argmax = logits.max(dim=-1)
+    probs = torch.exp(best.double() - torch.logsumexp(logits.double(), dim=-1))
+    return argmax.tolist(), probs.tolist()
+
+
+def draft_predictions(draft, prompt_ids: list[int], output_ids: list[int]) -> tuple[list[bool], list[float]]:
+    """(agree, top1_probs): at every output position t, whether the draft, teacher-forced on
+    prompt + output[:t], predicts output[t], and the probability it gives its own greedy
+    token there (what a confidence-based stop compares with its threshold)."""
+    if not output_ids:
+        return [], []
+    predicted, probs = teacher_forced_top1(draft, prompt_ids + output_ids[:-1])
+    start = len(prompt_ids) - 1
+    return [p == o for p, o in zip(predicted[start:], output_ids)], probs[start:]
 
 
 def draft_agreement(draft, prompt_ids: list[int], output_ids: list[int]) -> list[bool]:
     """agree[t]: the draft, teacher-forced on prompt + output[:t], predicts output[t]."""
-    if not output_ids:
-        return []
-    predicted = teacher_forced_argmax(draft, prompt_ids + output_ids[:-1])[len(prompt_ids) - 1:]
-    return [p == o for p, o in zip(predicted, output_ids)]
+    return draft_predictions(draft, prompt_ids, output_ids)[0]

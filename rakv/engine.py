@@ -15,32 +15,19 @@ from transformers import DynamicCache
 
 from rakv.acceptance import round_draft_length
 from rakv.controller import Policy, RequestOutcome
-from rakv.cost_model import Action, RequestFeatures, reused_positions
+from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
-from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, NgramDrafter, matching_prefix_length
-from rakv.kv_store import DEFAULT_BUDGET_BYTES, KVStore, StoreHit
+from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, matching_prefix_length
+from rakv.kv_store import KVStore
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
-from rakv.round_planner import MAX_DRAFT_LENGTH
-
-STORE_MODES = ("full", "prompt", "off")
+from rakv.round_planner import MAX_DRAFT_LENGTH, SHADOW_LENGTH
+from rakv.settings import EngineConfig
+from rakv.store_model import PrefixMatch, draft_cache_positions
 
 
 class RequestError(ValueError):
     """A request the engine cannot run; the message is one line."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    store_budget_bytes: int = DEFAULT_BUDGET_BYTES
-    store_mode: str = "full"  # full: prompt and output; prompt: the paper's; off: store nothing
-    ngram: NgramConfig = NgramConfig()
-
-    def __post_init__(self):
-        if self.store_budget_bytes <= 0:
-            raise ValueError(f"store budget must be positive, got {self.store_budget_bytes} bytes")
-        if self.store_mode not in STORE_MODES:
-            raise ValueError(f"store mode must be one of {', '.join(STORE_MODES)}, got {self.store_mode!r}")
 
 
 @dataclass(frozen=True)
@@ -90,12 +77,9 @@ class Engine:
         self.pair = pair
         self.policy = policy
         self.config = config
-        self.store = store if store is not None else KVStore(config.store_budget_bytes)
+        self.store = store if store is not None else KVStore(config.store)
         self.num_requests = 0
-        self.max_positions = pair.max_positions
-        if pair.draft is not None:
-            from rakv.models import max_positions_of
-            self.max_positions = min(self.max_positions, max_positions_of(pair.draft))
+        self.max_positions = pair.max_positions  # the smaller model's, or a smaller cap
 
     # -- one request -------------------------------------------------------------
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> RequestResult:
@@ -103,24 +87,26 @@ class Engine:
         prompt = self.validate(prompt_ids, max_new_tokens)
         n = len(prompt)
         max_new = min(max_new_tokens, self.max_positions - n)
-        features, hit, draft_hit = self.features(prompt, max_new)
+        features, match, draft_match = self.features(prompt, max_new)
         action = self.policy.decide(features)
         planner = self.policy.planner(features, action)
-        if DRAFT_MODEL in planner.drafters and self.pair.draft is None:
+        draft_ready = DRAFT_MODEL in planner.drafters
+        if draft_ready and self.pair.draft is None:
             raise RequestError(f"policy {self.policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
+        reuse, draft_reused = self.store.model.start(match, draft_match if draft_ready else None, action.r)
         decide_s = time.perf_counter() - start
 
-        target_cache, logits, reused, hit_kind = self._prefill(prompt, hit if action.r else None)
+        target_cache, logits = self._prefill(prompt, match, reuse.reused_tokens)
         prompt_logits = logits
         seq = prompt + greedy(logits[None])
         ttft_s = time.perf_counter() - start
 
-        drafters, draft_reused = self._drafters(planner.drafters, action.r, n, draft_hit)
+        drafters = self._drafters(planner.drafters, draft_match, draft_reused)
         rounds: list[RoundRecord] = []
         eos = self.pair.eos_token_ids
         while seq[-1] not in eos and len(seq) - n < max_new:
             signals = {d: drafters[d].signal(seq) for d in planner.drafters}
-            shadow_proposals = {d: drafters[d].propose(seq, MAX_DRAFT_LENGTH) for d in planner.shadowed}
+            shadow_proposals = {d: drafters[d].propose(seq, SHADOW_LENGTH) for d in planner.shadowed}
             name, k = planner.plan(signals)
             k = round_draft_length(k, len(seq) - n, max_new)
             before = len(seq)
@@ -139,31 +125,23 @@ class Engine:
                     planner.observe(shadow, signals[shadow], verified, matching_prefix_length(proposal, seq[before:]))
 
         drafter = drafters.get(DRAFT_MODEL)
-        draft_cache = drafter.cache if isinstance(drafter, DraftModelDrafter) else None
-        self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: logits}, draft_cache)
+        self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: logits},
+                    drafter.cache if drafter is not None else None, draft_reused if draft_ready else None, rounds)
         result = RequestResult(
             request_id=self.num_requests, policy=self.policy.name, action=action,
-            num_prompt_tokens=n, hit_tokens=hit.num_tokens if hit else 0, reused_tokens=reused,
-            draft_reused_tokens=draft_reused, hit_kind=hit_kind, output_ids=tuple(seq[n:]),
+            num_prompt_tokens=n, hit_tokens=match.hit_tokens, reused_tokens=reuse.reused_tokens,
+            draft_reused_tokens=draft_reused, hit_kind=reuse.hit_kind, output_ids=tuple(seq[n:]),
             ttft_s=ttft_s, e2e_s=time.perf_counter() - start, decide_s=decide_s, rounds=tuple(rounds))
         self.num_requests += 1
         self.policy.observe(RequestOutcome(action, planner.counts()))
         return result
 
-    def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, StoreHit | None, StoreHit | None]:
-        """What the policy sees, and the store hits it is based on (not yet touched)."""
+    def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, PrefixMatch, PrefixMatch]:
+        """What the policy sees, and the store matches it is based on (not yet touched)."""
         tokens = as_token_array(prompt)  # converted once for both lookups
-        hit = self.store.lookup(self.pair.target_fingerprint, tokens)
-        draft_hit = None
-        if self.pair.draft is not None:
-            draft_hit = self.store.lookup(self.pair.draft_fingerprint, tokens)
-        exact = hit is not None and hit.num_tokens == len(prompt) and hit.payload.logits_at(len(prompt)) is not None
-        features = RequestFeatures(
-            num_prompt_tokens=len(prompt), num_new_tokens=max_new,
-            target_hit_tokens=hit.num_tokens if hit else 0,
-            draft_hit_tokens=draft_hit.num_tokens if draft_hit else 0,
-            exact_repeat=exact, acceptance=0.0)
-        return features, hit, draft_hit
+        match = self.store.model.match(self.pair.target_fingerprint, tokens)
+        draft_match = self.store.model.match(self.pair.draft_fingerprint, tokens)
+        return RequestFeatures.of(match, draft_match, max_new), match, draft_match
 
     # -- steps -------------------------------------------------------------------
     def validate(self, prompt_ids, max_new_tokens: int) -> list[int]:
@@ -177,41 +155,35 @@ class Engine:
             raise RequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return prompt
 
-    def _drafters(self, names, r: int, num_prompt: int, draft_hit: StoreHit | None):
-        """The request's drafters by name, and the draft-model positions reused from the store."""
-        drafters, reused = {}, 0
+    def _drafters(self, names, draft_match: PrefixMatch, draft_reused: int) -> dict:
+        """The request's drafters by name; the draft model starts from its reused positions."""
+        drafters = {}
         if NGRAM in names:
             drafters[NGRAM] = NgramDrafter(self.config.ngram, max_k=MAX_DRAFT_LENGTH)
         if DRAFT_MODEL in names:
-            reused = min(draft_hit.num_tokens, num_prompt) if (r and draft_hit) else 0
-            cache = self.store.restore(draft_hit, reused) if reused else DynamicCache()
+            cache = self.store.restore(draft_match.entry, draft_reused) if draft_reused else DynamicCache()
             drafters[DRAFT_MODEL] = DraftModelDrafter(self.pair.draft, cache)
-        return drafters, reused
+        return drafters
 
-    def _prefill(self, prompt: list[int], hit: StoreHit | None):
-        """Target cache holding the prompt, the logits after it, positions reused, hit kind."""
+    def _prefill(self, prompt: list[int], match: PrefixMatch, reused: int):
+        """Target cache holding the prompt, and the logits after it."""
         n = len(prompt)
-        if hit is not None:
-            stored_logits = hit.payload.logits_at(n) if hit.num_tokens >= n else None
-            reused = reused_positions(n, hit.num_tokens, stored_logits is not None)
-            if reused == n:
-                return self.store.restore(hit, n), stored_logits, n, "exact"
-            if reused > 0:
-                cache = self.store.restore(hit, reused)
-                return cache, forward(self.pair.target, cache, prompt[reused:])[0], reused, "partial"
-        cache = DynamicCache()
-        return cache, forward(self.pair.target, cache, prompt)[0], 0, "miss"
+        if reused == n:  # an exact repeat: stored logits, no forward
+            return self.store.restore(match.entry, n), self.store.stored_logits(match)
+        cache = self.store.restore(match.entry, reused) if reused else DynamicCache()
+        return cache, forward(self.pair.target, cache, prompt[reused:])[0]
 
-    def _store(self, prompt, seq, target_cache, logits_by_len, draft_cache) -> None:
-        """Hand the request's caches to the store (they are not used afterwards)."""
-        if self.config.store_mode == "off":
-            return
-        length = len(seq) - 1 if self.config.store_mode == "full" else len(prompt)
-        crop_to(target_cache, length)
-        logits = {n: lg for n, lg in logits_by_len.items() if n <= length}
-        self.store.insert(self.pair.target_fingerprint, seq[:length], target_cache, logits)
-        if draft_cache is not None:
-            draft_length = min(draft_cache.get_seq_length(), length)
-            if draft_length > 0:
-                crop_to(draft_cache, draft_length)
-                self.store.insert(self.pair.draft_fingerprint, seq[:draft_length], draft_cache, {})
+    def _store(self, prompt, seq, target_cache, logits_by_len, draft_cache, draft_reused, rounds) -> None:
+        """Hand the request's caches to the store, as its model keeps them (they are not
+        used afterwards)."""
+        n = len(prompt)
+        kept, kept_draft = self.store.model.kept_lengths(n, len(seq), draft_reused, rounds)
+        if kept:
+            crop_to(target_cache, kept)
+            logits = {length: logits_by_len[length] for length in self.store.model.kept_logits(n, len(seq), kept)}
+            self.store.insert(self.pair.target_fingerprint, seq[:kept], target_cache, logits)
+        if draft_reused is not None:  # the store model's account of the draft cache is exact
+            assert draft_cache.get_seq_length() == draft_cache_positions(n, draft_reused, rounds, len(seq) - n)
+        if kept_draft:
+            crop_to(draft_cache, kept_draft)
+            self.store.insert(self.pair.draft_fingerprint, seq[:kept_draft], draft_cache, {})

@@ -17,8 +17,11 @@ from pathlib import Path
 from rakv.cli import run_cli
 from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
 from rakv.drafters import DRAFT_MODEL, NgramConfig
-from rakv.engine import STORE_MODES, EngineConfig, RequestError
+from rakv.engine import RequestError
+from rakv.settings import EngineConfig
+from rakv.store_model import STORE_MODES, StoreConfig
 from rakv.models import BUILTIN_PAIRS, PairError
+from rakv.prompt_file import PromptLine, read_prompt_file
 
 DEMO_PROMPTS = (
     "System: you answer in one line.\nUser: what does a KV cache store?",
@@ -35,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Output is token-identical to plain greedy decoding of the target under every policy.")
     p.add_argument("prompt", nargs="*", help="prompt text(s); none: a built-in demo")
     p.add_argument("--prompts", type=Path, metavar="FILE",
-                   help="one prompt per line, or JSONL with a 'prompt' field; run in order through one engine")
+                   help="one prompt per line (\\n for a newline), or .jsonl with 'prompt' or 'prompt_ids' "
+                        "and optionally 'max_new_tokens' per line; run in order through one engine")
     p.add_argument("--pair", default="tiny",
                    help=f"{', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT] (HF name, directory or .gguf) (default: tiny)")
     p.add_argument("--policy", default="rakv", help=f"{FIXED_POLICY_HELP} (default: rakv)")
@@ -57,22 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt)
+def read_prompts(args: argparse.Namespace) -> list[PromptLine]:
+    """The command line's prompts, then the prompts file's."""
+    prompts = [PromptLine(0, text, None) for text in args.prompt]
     if args.prompts is not None:
-        if not args.prompts.is_file():
-            raise ValueError(f"prompts file not found: {args.prompts}")
-        lines = args.prompts.read_text(encoding="utf-8").splitlines()
-        if args.prompts.suffix == ".jsonl":
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    prompts.append(json.loads(line)["prompt"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{args.prompts}:{number}: expected a JSON object with a 'prompt' field") from None
-        else:
-            prompts += [line.replace("\\n", "\n") for line in lines if line.strip()]
+        prompts += read_prompt_file(args.prompts)
     return prompts
 
 
@@ -88,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     demo = not prompts
     if demo:
-        prompts = list(DEMO_PROMPTS)
-    if any(not p for p in prompts):
+        prompts = [PromptLine(0, text, None) for text in DEMO_PROMPTS]
+    if any(p.prompt == "" for p in prompts):
         raise RequestError("empty prompt: nothing to condition on")
 
     from tqdm import tqdm
@@ -106,12 +99,20 @@ def run(args: argparse.Namespace) -> int:
     limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
     policy = make_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit))
     ngram = NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
-    engine = Engine(pair, policy, EngineConfig(int(args.store_budget_mib * 2**20), args.store, ngram))
-    encoded = [pair.encode(p) for p in prompts]
-    for ids in encoded:  # reject bad input before spending any compute
-        engine.validate(ids, args.max_new_tokens)
-    for ids in tqdm(encoded, desc="requests", unit="req", disable=len(encoded) < 3, file=sys.stderr):
-        result = engine.generate(ids, args.max_new_tokens)
+    engine = Engine(pair, policy, EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store), ngram))
+    requests = [(list(p.prompt_ids) if p.prompt_ids is not None else pair.encode(p.prompt),
+                 p.max_new_tokens or args.max_new_tokens, p.line) for p in prompts]
+    vocab = pair.target.config.vocab_size
+    for ids, max_new, line in requests:  # reject bad input before spending any compute
+        where = f"{args.prompts}:{line}: " if line else ""
+        if max(ids, default=0) >= vocab:
+            raise RequestError(f"{where}token id {max(ids)} is outside the vocabulary of {vocab}")
+        try:
+            engine.validate(ids, max_new)
+        except RequestError as exc:
+            raise RequestError(f"{where}{exc}") from None
+    for ids, max_new, _ in tqdm(requests, desc="requests", unit="req", disable=len(requests) < 3, file=sys.stderr):
+        result = engine.generate(ids, max_new)
         text = pair.decode(list(result.output_ids))
         if args.json:
             print(json.dumps({**result.to_json(), "text": text}), flush=True)

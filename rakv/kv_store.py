@@ -1,15 +1,16 @@
-"""KV prefix store: the torch tensors behind a ``PrefixIndex``.
+"""KV prefix store: the torch tensors behind a ``StoreModel``.
 
-Each model (by fingerprint) is its own namespace. An entry holds, for a token sequence:
-the KV of every position, per layer, and the next-token logits at some prefix lengths
-(the prompt's end and the sequence's end), so that an exact repeat runs no prefill.
+The store model (``rakv.store_model``, torch-free) decides every hit, reuse, insert and
+eviction over token ids and byte sizes; this class only copies tensors in and out as it
+says. An entry's tensors: the KV of every position, per layer, and the next-token logits
+at the prefix lengths the model keeps (the prompt's end and the sequence's end), so that
+an exact repeat runs no prefill.
 
 Invariants:
-- Every tensor an entry holds is counted in its bytes, and no entry tensor is a view
-  into a larger storage (that storage would be held but not counted).
+- An entry's tensors take exactly the bytes the model counts for it (checked on every
+  insert), and no entry tensor is a view into a larger storage (that storage would be
+  held but not counted).
 - Entries are never mutated and never aliased by a working cache: ``restore`` copies.
-- A new entry that extends a stored one replaces it (keeping its logits), so a
-  conversation's turns are held once, not once per turn.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from rakv.prefix_index import Entry, PrefixIndex, prefix_digest
-
-DEFAULT_BUDGET_BYTES = 512 * 2**20
+from rakv.decoding import forward
+from rakv.prefix_index import Entry, prefix_digest
+from rakv.store_model import ModelSizes, PrefixMatch, StoreConfig, StoreModel
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,6 @@ class StoredKV:
 
     def logits_at(self, num_tokens: int) -> torch.Tensor | None:
         return next((lg for n, lg in self.logits_by_len if n == num_tokens), None)
-
-
-@dataclass(frozen=True)
-class StoreHit:
-    entry: Entry
-    num_tokens: int  # exact common prefix with the query
-
-    @property
-    def payload(self) -> StoredKV:
-        return self.entry.payload
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -63,67 +54,80 @@ def stored_bytes(token_ids: np.ndarray, kv: StoredKV) -> int:
     return total
 
 
+def model_sizes(cache: DynamicCache, logits: torch.Tensor | None) -> ModelSizes:
+    """A model's ``ModelSizes`` from a cache it filled and one row of its logits [vocab]."""
+    kv_bytes = sum(tensor_bytes(layer.keys) + tensor_bytes(layer.values) for layer in cache.layers)
+    return ModelSizes(kv_bytes // cache.get_seq_length(), 0 if logits is None else tensor_bytes(logits))
+
+
+def measure_sizes(model) -> ModelSizes:
+    """A model's ``ModelSizes``, from a one-token forward."""
+    cache = DynamicCache()
+    return model_sizes(cache, forward(model, cache, [0])[0])
+
+
+def tensors_of(entry: Entry) -> StoredKV:
+    return entry.payload.tensors
+
+
 class KVStore:
     """Byte-budgeted LRU store of KV prefixes for any number of models."""
 
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    def __init__(self, config: StoreConfig = StoreConfig(),
                  digest: Callable[[np.ndarray], bytes] = prefix_digest):
-        self.index = PrefixIndex(budget_bytes, digest)
+        self.model = StoreModel(config, digest)
         self.clone_s = 0.0  # cumulative seconds spent copying tensors in and out
 
     @property
+    def index(self):
+        return self.model.index
+
+    @property
     def total_bytes(self) -> int:
-        return self.index.total_bytes
+        return self.model.total_bytes
 
     @property
     def budget_bytes(self) -> int:
-        return self.index.budget_bytes
+        return self.model.index.budget_bytes
 
-    def lookup(self, fingerprint: str, token_ids: list[int], touch: bool = False) -> StoreHit | None:
-        hit = self.index.lookup(fingerprint, token_ids, touch=touch)
-        return None if hit is None else StoreHit(hit.entry, hit.num_tokens)
+    def stored_logits(self, match: PrefixMatch) -> torch.Tensor | None:
+        """The logits after the whole prompt, held by an exact repeat's entry."""
+        return tensors_of(match.entry).logits_at(match.num_prompt_tokens) if match.has_logits else None
 
-    def touch(self, hit: StoreHit) -> None:
-        self.index.touch(hit.entry)
-
-    def restore(self, hit: StoreHit, num_positions: int) -> DynamicCache:
-        """A fresh cache holding copies of the entry's first ``num_positions`` positions."""
-        if not 0 < num_positions <= hit.num_tokens:
-            raise ValueError(f"cannot restore {num_positions} positions from a {hit.num_tokens}-token hit")
+    def restore(self, entry: Entry, num_positions: int) -> DynamicCache:
+        """A fresh cache holding copies of the entry's first ``num_positions`` positions
+        (``StoreModel.start`` decided them, and touched the entry)."""
+        if not 0 < num_positions <= entry.num_tokens:
+            raise ValueError(f"cannot restore {num_positions} positions from a {entry.num_tokens}-token entry")
         start = time.perf_counter()
         cache = DynamicCache(ddp_cache_data=[  # DynamicLayer.update concatenates: a copy
-            (k[:, :, :num_positions], v[:, :, :num_positions]) for k, v in hit.payload.layers])
+            (k[:, :, :num_positions], v[:, :, :num_positions]) for k, v in tensors_of(entry).layers])
         self.clone_s += time.perf_counter() - start
-        self.touch(hit)
         return cache
 
-    def insert(self, fingerprint: str, token_ids: list[int], cache: DynamicCache,
+    def insert(self, namespace: str, token_ids: list[int], cache: DynamicCache,
                logits_by_len: dict[int, torch.Tensor]) -> bool:
-        """Store the first len(token_ids) positions of ``cache``. Returns False if the entry
-        alone exceeds the budget. The caller must not use ``cache`` afterwards."""
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        num = len(tokens)
+        """Store the first len(token_ids) positions of ``cache`` with the given logits rows,
+        as the store model plans it. Returns False if the entry alone exceeds the budget.
+        The caller must not use ``cache`` afterwards."""
+        num = len(token_ids)
         if num == 0 or cache.get_seq_length() < num:
             raise ValueError(f"cache holds {cache.get_seq_length()} positions, cannot store {num}")
-        logits = dict(logits_by_len)
-        existing = self.lookup(fingerprint, tokens)
-        if existing is not None and existing.num_tokens == num and existing.entry.num_tokens >= num:
-            # Already held inside a stored sequence: only new logits can be worth adding.
-            old = existing.payload
-            if all(old.logits_at(n) is not None for n in logits):
-                self.index.touch(existing.entry)
-                return True
-            logits = {**logits, **dict(old.logits_by_len)}
-            tokens, layers = existing.entry.token_ids, old.layers
-            self.index.remove(existing.entry)
+        sizes = model_sizes(cache, next(iter(logits_by_len.values()), None))
+        plan = self.model.plan_insert(namespace, token_ids, tuple(logits_by_len), sizes)
+        if plan.kind == "touch":
+            return self.model.commit(plan)
+        base = tensors_of(plan.base) if plan.base is not None else None
+        if plan.kind == "merge":
+            layers = base.layers
         else:
             start = time.perf_counter()
-            layers = tuple((owned(layer.keys[:, :, :num]), owned(layer.values[:, :, :num]))
-                           for layer in cache.layers)
+            layers = tuple((owned(layer.keys[:, :, :num]), owned(layer.values[:, :, :num])) for layer in cache.layers)
             self.clone_s += time.perf_counter() - start
-            if existing is not None and existing.num_tokens == existing.entry.num_tokens:
-                # The new sequence extends a stored one: take its logits and replace it.
-                logits = {**dict(existing.payload.logits_by_len), **logits}
-                self.index.remove(existing.entry)
-        kv = StoredKV(layers, tuple(sorted((n, owned(lg.detach())) for n, lg in logits.items())))
-        return self.index.insert(fingerprint, tokens, stored_bytes(tokens, kv), kv) is not None
+        logits = tuple((n, owned(logits_by_len[n].detach()) if n in logits_by_len else base.logits_at(n))
+                       for n in plan.logits_lengths)
+        kv = StoredKV(layers, logits)
+        if stored_bytes(plan.token_ids, kv) != plan.num_bytes:
+            raise AssertionError(f"store model counts {plan.num_bytes} bytes, the tensors take "
+                                 f"{stored_bytes(plan.token_ids, kv)}")
+        return self.model.commit(plan, kv)

@@ -48,6 +48,11 @@ class ModelPair:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of ``text`` appended mid-sequence: without the BOS the tokenizer may add."""
+        ids, bos = self.encode(text), self.encode("")
+        return ids[len(bos):] if bos and ids[:len(bos)] == bos else ids
+
 
 class HFTokenizer:
     """A transformers tokenizer behind the encode/decode pair the engine uses."""
@@ -103,9 +108,9 @@ def max_positions_of(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions"))
 
 
-def context_limit(target, max_context: int | None) -> int:
-    """The engine's position limit: the model's maximum, or a smaller ``--max-context``."""
-    limit = max_positions_of(target)
+def context_limit(target, draft, max_context: int | None) -> int:
+    """The engine's position limit: the smaller model's maximum, or a smaller ``--max-context``."""
+    limit = max_positions_of(target) if draft is None else min(max_positions_of(target), max_positions_of(draft))
     if max_context is None:
         return limit
     if max_context <= 1:
@@ -224,7 +229,7 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         name=spec, target=target, draft=draft, tokenizer=tokenizer,
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
-        max_positions=context_limit(target, max_context), eos_token_ids=eos_ids_of(target))
+        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))
 
 
 def _resolve(model_files, name: str) -> Path:

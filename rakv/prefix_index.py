@@ -32,6 +32,7 @@ import numpy as np
 
 BUCKET_TOKENS = 16
 DIGEST_BYTES = 12
+DIGEST_MEMO_ENTRIES = 4096
 
 
 def prefix_digest(token_ids: np.ndarray) -> bytes:
@@ -45,8 +46,8 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+    equal = a[:n] == b[:n]
+    return n if equal.all() else int(equal.argmin())  # argmin: the first False
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -88,6 +89,7 @@ class PrefixIndex:
         self._clock = 0
         self.total_bytes = 0
         self.num_evictions = 0
+        self._digest_memo: dict[bytes, tuple[bytes, ...]] = {}  # first 16 tokens' bytes -> their prefix digests
 
     # -- queries -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -109,7 +111,9 @@ class PrefixIndex:
         query = as_token_array(token_ids)
         if len(query) == 0:
             return None
-        key = (namespace, self._digest(query[:BUCKET_TOKENS]))
+        head = query[:BUCKET_TOKENS]
+        known = self._digest_memo.get(head.tobytes())
+        key = (namespace, known[-1] if known is not None else self._digest(head))
         best: Hit | None = None
         for entry in self._buckets.get(key, {}).values():
             q = common_prefix_len(entry.token_ids, query)
@@ -144,14 +148,27 @@ class PrefixIndex:
         entry = Entry(self._next_id, namespace, tokens, int(num_bytes), payload)
         self._next_id += 1
         # dict.fromkeys: colliding digests (or a patched constant one) register one key once
-        entry.keys = list(dict.fromkeys(
-            (namespace, self._digest(tokens[:j])) for j in range(1, min(BUCKET_TOKENS, len(tokens)) + 1)))
+        entry.keys = list(dict.fromkeys((namespace, digest) for digest in self._prefix_digests(tokens)))
         for key in entry.keys:
             self._buckets.setdefault(key, {})[entry.entry_id] = entry
         self._lru[entry.entry_id] = entry
         self.total_bytes += entry.num_bytes
         self.touch(entry)
         return entry
+
+    def _prefix_digests(self, tokens: np.ndarray) -> tuple[bytes, ...]:
+        """The digests of the first 1 .. min(16, n) tokens. Remembered per distinct first
+        16 tokens (a replay inserts the same prefixes again and again); the memo is bounded
+        and changes no result."""
+        head = tokens[:BUCKET_TOKENS]
+        key = head.tobytes()
+        digests = self._digest_memo.get(key)
+        if digests is None:
+            digests = tuple(self._digest(head[:j]) for j in range(1, len(head) + 1))
+            if len(self._digest_memo) >= DIGEST_MEMO_ENTRIES:
+                self._digest_memo.pop(next(iter(self._digest_memo)))
+            self._digest_memo[key] = digests
+        return digests
 
     def remove(self, entry: Entry) -> None:
         del self._lru[entry.entry_id]

@@ -28,7 +28,8 @@ from typing import Mapping
 from rakv.cost_model import K_CHOICES, PairTimings, expected_progress, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 
-MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts; traces record m_t up to it
+MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts
+SHADOW_LENGTH = MAX_DRAFT_LENGTH  # tokens of a shadowed drafter's proposal checked after each round
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,20 @@ class FixedRounds:
 
 
 @dataclass(frozen=True)
+class RoundCosts:
+    """Seconds of a plain step and, per drafter, of a round drafting k = 0..max_k tokens,
+    at one context length (``round_costs``)."""
+
+    step_s: float
+    round_s: Mapping[str, tuple[float, ...]]
+
+
+def round_costs(timings: PairTimings, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
+    return RoundCosts(round_s(timings, DRAFT_MODEL, 0, num_context),
+                      {d: tuple(round_s(timings, d, k, num_context) for k in range(max_k + 1)) for d in drafters})
+
+
+@dataclass(frozen=True)
 class PlannerConfig:
     recency: float = 0.1  # weight of each new trial in the request's acceptance estimates
     max_k: int = MAX_DRAFT_LENGTH
@@ -120,17 +135,16 @@ class AdaptiveRounds:
     """
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
-                 fallback: Mapping[str, float], timings: PairTimings, num_context: int,
-                 config: PlannerConfig = PlannerConfig()):
+                 fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig()):
         self.drafters = drafters
         self.config = config
         self.shadowed = tuple(d for d in drafters if d == NGRAM)
         self.acceptance = dict(priors)  # (drafter, signal) -> per-token acceptance, this request
         self.fallback = dict(fallback)  # per drafter, for a signal not seen before
-        # seconds of a round drafting k = 0..max_k tokens, per drafter
-        self.costs_s = {d: [round_s(timings, d, k, num_context) for k in range(config.max_k + 1)]
-                        for d in drafters}
-        self.step_s = round_s(timings, DRAFT_MODEL, 0, num_context)
+        self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
+        self.step_s = costs.step_s
+        # per drafter: its cheapest round, which bounds its best rate (see plan)
+        self._min_cost_s = {d: min(self.costs_s[d][1:config.max_k + 1]) for d in drafters}
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
@@ -142,7 +156,12 @@ class AdaptiveRounds:
         best_rate = (1.0 + self.config.min_gain) / self.step_s
         best = (self.drafters[0] if self.drafters else DRAFT_MODEL, 0)
         for drafter in self.drafters:
-            a, costs = self.estimate(drafter, signals[drafter]), self.costs_s[drafter]
+            a = self.acceptance.get((drafter, signals[drafter]))
+            if a is None:
+                a = self.estimate(drafter, signals[drafter])
+            costs = self.costs_s[drafter]
+            if a < 1.0 - 1e-12 and (1.0 / (1.0 - max(a, 0.0))) / self._min_cost_s[drafter] <= best_rate * (1 + 1e-9):
+                continue  # E_k(a) < 1 / (1 - a) for every k: no round of this drafter can win (exact)
             for k in range(1, self.config.max_k + 1):
                 rate = expected_progress(a, k) / costs[k]
                 if rate > best_rate * (1 + 1e-9):

@@ -155,4 +155,4 @@ def random_pair(name: str, dtype="float16", device: str = "cpu", seed: int = 0,
         name=name, target=target, draft=draft, tokenizer=NoTokenizer(target.config.vocab_size),
         target_fingerprint=model_fingerprint(target, f"random:{target_name}:{seed}"),
         draft_fingerprint=model_fingerprint(draft, draft_source),
-        max_positions=context_limit(target, max_context), eos_token_ids=eos_ids_of(target))
+        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up, then runs the engine on the built-in tiny pair (no GPU, no hub, no arguments).
+# Sets up, then replays a shipped trace under every policy (no GPU, no hub, no arguments).
+# Arguments go to python -m simulator.replay; the engine's own demo is python -m rakv.generate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m rakv.generate "$@"
+exec "${PYTHON:-python3}" -m simulator.replay "$@"

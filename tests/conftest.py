@@ -4,11 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rakv.controller import make_policy
-from rakv.cost_model import K_CHOICES
+from rakv.controller import FIXED_POLICIES, make_policy
 
-FIXED_POLICIES = ("ar", "kv-only") + tuple(
-    f"{kind}-k{k}" for kind in ("spec", "joint", "ngram", "joint-ngram") for k in K_CHOICES[1:])
 ALL_POLICIES = FIXED_POLICIES + ("rakv",)
 SMOLLM2_MAX_CONTEXT = 320  # a cap below the model's 8192 positions keeps near-max prompts cheap on a CPU
 

@@ -8,7 +8,8 @@ from rakv.acceptance import replay_request, run_lengths
 from rakv.cost_model import K_CHOICES
 from rakv.decoding import draft_agreement
 from rakv.drafters import NGRAM, RunLengths, ngram_run_lengths
-from rakv.engine import Engine, EngineConfig
+from rakv.engine import Engine
+from rakv.settings import EngineConfig
 
 
 def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=EngineConfig()):

@@ -71,11 +71,31 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert "Traceback" not in err
 
 
-def test_bad_jsonl_names_the_line(tmp_path, capsys):
+@pytest.mark.parametrize("lines, message", [
+    ('{"prompt": "ok"}\n{"text": "no prompt field"}\n',
+     ":2: unknown field 'text'; the fields are prompt, prompt_ids, group, arrival_s, max_new_tokens"),
+    ('{"prompt": 42}\n', ":1: 'prompt' must be non-empty text, got 42"),
+    ('["a list"]\n', ":1: expected a JSON object with a 'prompt' or 'prompt_ids' field, got list"),
+    ('{"prompt": "ok", "max_new_tokens": 0}\n', ":1: 'max_new_tokens' must be an integer >= 1, got 0"),
+    ('{"prompt": "ok"}\n{"prompt_ids": [300]}\n', ":2: token id 300 is outside the vocabulary of 258"),
+    ("", ": no prompts (the file is empty)"),
+    ("\n  \n", ": no prompts (the file is empty)"),
+])
+def test_bad_prompts_file_is_one_line_naming_the_line(tmp_path, capsys, lines, message):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
-    code, _, err = run_main(capsys, "--prompts", str(bad))
-    assert code == 2 and f"{bad}:2:" in err
+    bad.write_text(lines)
+    code, out, err = run_main(capsys, "--prompts", str(bad))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip().splitlines() == [f"error: {bad}{message}"]
+
+
+def test_prompt_ids_and_per_line_token_caps(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [256, 104, 105], "max_new_tokens": 3}\n{"prompt": "hi", "max_new_tokens": 5}\n')
+    code, out, _ = run_main(capsys, "--prompts", str(prompts), "--policy", "ar", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [len(r["output_ids"]) for r in rows] == [3, 5]
+    assert rows[0]["output_ids"] == rows[1]["output_ids"][:3]  # "hi" encodes to the same ids
 
 
 def test_subprocess_exit_code_and_no_traceback():

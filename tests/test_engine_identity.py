@@ -9,7 +9,9 @@ import pytest
 from conftest import ALL_POLICIES, hf_greedy, policy_for
 from prompt_mix import prompt_mix
 from engine_checks import assert_rounds_replay, run_mix
-from rakv.engine import Engine, EngineConfig
+from rakv.engine import Engine
+from rakv.settings import EngineConfig
+from rakv.store_model import StoreConfig
 from rakv.kv_store import KVStore
 
 MAX_NEW_TOKENS = 12
@@ -43,16 +45,16 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
     prompts, oracle = mix
     store = KVStore(digest=lambda token_ids: b"\0" * 12)
     seen = []
-    lookup = store.lookup
+    lookup = store.index.lookup
 
-    def checked_lookup(fingerprint, token_ids, touch=False):
+    def checked_lookup(fingerprint, token_ids, touch=True):
         hit = lookup(fingerprint, token_ids, touch)
         if hit is not None:  # a hit is only ever a true prefix of the query
             assert list(hit.entry.token_ids[: hit.num_tokens]) == list(token_ids[: hit.num_tokens])
             seen.append(hit.num_tokens)
         return hit
 
-    monkeypatch.setattr(store, "lookup", checked_lookup)
+    monkeypatch.setattr(store.index, "lookup", checked_lookup)
     for policy_name in ("kv-only", "joint-k4"):
         results, planners = run_mix(tiny_pair, policy_name, prompts, MAX_NEW_TOKENS, store=store)
         assert [list(r.output_ids) for r in results] == oracle
@@ -62,7 +64,7 @@ def test_constant_digest_collides_everywhere_yet_outputs_match(tiny_pair, mix, m
 
 def test_store_prompt_mode_matches(tiny_pair, mix):
     prompts, oracle = mix
-    results, planners = run_mix(tiny_pair, "joint-k2", prompts, MAX_NEW_TOKENS, config=EngineConfig(store_mode="prompt"))
+    results, planners = run_mix(tiny_pair, "joint-k2", prompts, MAX_NEW_TOKENS, config=EngineConfig(StoreConfig(mode="prompt")))
     assert [list(r.output_ids) for r in results] == oracle
     assert any(r.hit_kind == "exact" for r in results)
 
@@ -70,7 +72,7 @@ def test_store_prompt_mode_matches(tiny_pair, mix):
 def test_small_budget_evicts_and_stays_identical(tiny_pair, mix):
     prompts, oracle = mix
     budget = 96 * 1024
-    engine = Engine(tiny_pair, policy_for("joint-k4", tiny_pair), EngineConfig(store_budget_bytes=budget))
+    engine = Engine(tiny_pair, policy_for("joint-k4", tiny_pair), EngineConfig(StoreConfig(budget_bytes=budget)))
     for prompt, expected in zip(prompts, oracle):
         assert list(engine.generate(prompt, MAX_NEW_TOKENS).output_ids) == expected
         assert engine.store.total_bytes <= budget

@@ -7,7 +7,9 @@ import dataclasses
 import torch
 
 from conftest import hf_greedy, policy_for
-from rakv.engine import Engine, EngineConfig
+from rakv.engine import Engine
+from rakv.settings import EngineConfig
+from rakv.store_model import StoreConfig
 from rakv.kv_store import KVStore, stored_bytes, tensor_bytes
 from rakv.models import model_fingerprint
 from rakv.tiny import TinyConfig, tiny_models
@@ -16,7 +18,7 @@ PROMPT = "System: be brief.\nUser: what is a cache?"
 
 
 def engine(pair, policy="joint-k2", **config):
-    return Engine(pair, policy_for(policy, pair), EngineConfig(**config))
+    return Engine(pair, policy_for(policy, pair), EngineConfig(StoreConfig(**config)))
 
 
 def test_conversation_turn_hits_the_whole_previous_sequence(tiny_pair):
@@ -36,7 +38,7 @@ def test_conversation_turn_hits_the_whole_previous_sequence(tiny_pair):
 
 
 def test_prompt_store_mode_hits_only_the_prompt(tiny_pair):
-    eng = engine(tiny_pair, store_mode="prompt")
+    eng = engine(tiny_pair, mode="prompt")
     first = tiny_pair.encode(PROMPT)
     r1 = eng.generate(first, 10)
     second = first + list(r1.output_ids)
@@ -68,12 +70,12 @@ def test_short_prompt_recomputes_only_the_boundary(tiny_pair):
 
 
 def test_bytes_count_every_tensor_held(tiny_pair):
-    eng = engine(tiny_pair, store_budget_bytes=10**7)
+    eng = engine(tiny_pair, budget_bytes=10**7)
     for text in ("alpha beta gamma delta epsilon", "one two three four five six", PROMPT):
         eng.generate(tiny_pair.encode(text), 12)
     total = 0
     for entry in eng.store.index.entries():
-        kv = entry.payload
+        kv = entry.payload.tensors
         tensors = [t for layer in kv.layers for t in layer] + [lg for _, lg in kv.logits_by_len]
         for t in tensors:  # no entry tensor keeps a larger storage alive
             assert t.untyped_storage().nbytes() == tensor_bytes(t)

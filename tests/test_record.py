@@ -1,7 +1,9 @@
-"""profiler.record end to end on the tiny pair: tables, exact acceptance replay of every
-recorded run, SIGKILL mid-recording then --resume without duplicates, one-line errors."""
+"""profiler.record end to end on the tiny pair: tables, decision inputs, exact replay of
+every recorded run across requests, user workloads, SIGKILL mid-recording then --resume
+without duplicates, one-line errors."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -11,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+import rakv.calibrate
 from profiler.record import main
-from profiler.schema import KEY_COLUMNS, table_to_rows
+from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
 from profiler.trace_io import final_path, parts_dir, read_meta, read_table
 from rakv.acceptance import replay_request
 from rakv.drafters import RunLengths
 from rakv.round_planner import FixedRounds
+from simulator.session import replay_runs, run_mismatch
+from simulator.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--pair", "tiny", "--workload", "fixture-chat", "--runs-sample", "3", "--runs-max-new-tokens", "12",
@@ -39,9 +44,16 @@ def test_tables_and_metadata(trace):
         assert final_path(trace, table).is_file() and not parts_dir(trace, table).exists()
     meta = read_meta(trace)
     assert meta.config["pair"] == "tiny" and meta.models["target"] and meta.hardware["python"]
+    inputs = meta.config[META_DECISION_INPUTS]  # what a replay decides with
+    assert inputs["timings"]["target"]["step_fixed_s"] > 0 and inputs["engine"]["store"]["mode"] == "full"
+    assert inputs["engine"]["ngram"] == {"max_ngram": 3, "min_ngram": 1} and inputs["max_positions"] == 256
+    assert inputs["target_sizes"]["kv_bytes_per_token"] > 0 and inputs["controller"]["rounds"]["min_gain"] == 0.25
     requests = rows(trace, "requests")
     assert len(requests) == 6
     assert {r.drafter for r in requests[0].run_lengths} == {"ngram", "draft"}
+    assert all(d.max_k == 32 for r in requests for d in r.run_lengths)
+    assert all(len(r.draft_top1_probs) == len(r.output_ids) and 0 < min(r.draft_top1_probs) <= 1 for r in requests)
+    assert {r.max_new_tokens for r in rows(trace, "runs")} == {12}
     ops = {(r.model, r.op) for r in rows(trace, "ops")}
     assert {("target", "prefill"), ("target", "decode"), ("target", "verify"), ("draft", "verify"),
             ("store", "clone"), ("store", "lookup"), ("store", "insert"), ("ngram", "propose")} <= ops
@@ -73,6 +85,22 @@ def test_every_run_is_identical_and_replays_exactly(trace):
     assert checked > 50
 
 
+def test_every_policy_replays_across_requests(trace):
+    """One session per policy, from the policy's initial state and an empty store, carries
+    its state from request to request: every run's action, hit, rounds and output length,
+    and the adaptive policy's running estimates at every decision, equal the recording's."""
+    loaded = load_trace(trace)
+    decisions = {d.request_id: d for d in rows(trace, "decisions")}
+    for policy in sorted({r.policy for r in loaded.runs}):
+        pairs = replay_runs(loaded, policy)
+        assert len(pairs) == 4  # the sample's 3 requests and a later turn of one's conversation
+        assert [run_mismatch(run, replayed) for run, replayed in pairs] == [None] * 4
+        if policy == "rakv":
+            for run, replayed in pairs:
+                d = decisions[run.request_id]
+                assert dict(replayed.estimates) == {"draft": d.acceptance_draft, "ngram": d.acceptance_ngram}
+
+
 def test_sigkill_then_resume_has_no_duplicates(tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "profiler.record", *FAST, "--out", str(out), "--flush-rows", "1"]
@@ -99,8 +127,69 @@ def test_sigkill_then_resume_has_no_duplicates(tmp_path):
     assert set(flushed) <= set(rows(out, "runs"))
 
 
+def test_user_workload_records_end_to_end(tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "User: hello there\\nAssistant:", "group": "a", "arrival_s": 0}\n'
+                       '{"prompt_ids": [256, 85, 115, 101, 114], "group": "a", "arrival_s": 1.5, "max_new_tokens": 5}\n'
+                       '\n{"prompt": "Another one", "arrival_s": 2}\n')
+    out = tmp_path / "trace"
+    assert main(["--workload", str(prompts), "--runs-sample", "3", "--runs-max-new-tokens", "6", "--out", str(out)]) == 0
+    requests = rows(out, "requests")
+    assert [(r.group_id, r.turn, r.arrival_s, r.workload) for r in requests] == [
+        ("a", 0, 0.0, "mine"), ("a", 1, 1.5, "mine"), ("line-4", 0, 2.0, "mine")]
+    assert requests[1].prompt_ids == (256, 85, 115, 101, 114) and len(requests[1].output_ids) == 5
+    meta = read_meta(out)
+    assert meta.config["workload"] == str(prompts) and META_DECISION_INPUTS in meta.config
+    loaded = load_trace(out)
+    for policy in ("ar", "joint-k4", "ngram-k8", "rakv"):
+        assert all(run_mismatch(run, replayed) is None for run, replayed in replay_runs(loaded, policy))
+
+
+def test_revision_turns_continue_the_models_own_answer(tmp_path):
+    from profiler.prompt_texts import REVISE
+    from rakv.models import load_pair
+    out = tmp_path / "chat"
+    assert main(["--workload", "chat", "--requests", "4", "--max-new-tokens", "8", "--skip", "ops", "runs",
+                 "--out", str(out)]) == 0
+    first, revision = rows(out, "requests")[:2]
+    assert (first.group_id, first.turn, revision.group_id, revision.turn) == ("chat-0", 0, "chat-0", 1)
+    assert revision.prompt_ids == (first.prompt_ids + first.output_ids
+                                   + tuple(load_pair("tiny").encode_continuation(REVISE)))
+
+
+def test_resume_refuses_changed_decision_inputs(trace, monkeypatch, capsys):
+    calibrated = rakv.calibrate.load_or_calibrate
+
+    def recalibrated(pair, refresh=False):
+        timings = calibrated(pair)
+        return dataclasses.replace(timings, lookup_s=timings.lookup_s * 2)
+
+    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", recalibrated)
+    assert main(FAST + ["--out", str(trace), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.decision_inputs.timings.lookup_s differs" in err
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('{"prompt": 5}\n', "mine.jsonl:1: 'prompt' must be non-empty text"),
+    ('{"prompt": "ok"}\n{"prompt_ids": [1, -2]}\n', "mine.jsonl:2: 'prompt_ids' must be"),
+    ('{"prompt": "ok", "arrival_s": 3}\n{"prompt": "b", "arrival_s": 1}\n', "mine.jsonl:2: 'arrival_s' 1.0 is earlier"),
+    ('{"prompt": "ok", "max_tokens": 3}\n', "mine.jsonl:1: unknown field 'max_tokens'"),
+    ('{"prompt": "ok"\n', "mine.jsonl:1: not valid JSON"),
+    ('{"prompt": "ok"}\n{"prompt_ids": [99999]}\n', "mine.jsonl:2: token id 99999 is outside the vocabulary"),
+    ('\n\n', "no prompts"),
+])
+def test_bad_user_workload_is_one_line(tmp_path, capsys, lines, message):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(lines)
+    assert main(["--workload", str(prompts), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--workload", "nope"], "unknown workload"),
+    (["--workload", "missing.jsonl"], "prompts file not found"),
     (["--pair", "nope-model"], "cannot load"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):

@@ -7,7 +7,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-TORCH_FREE_MODULES = "simulator, policy, rakv.prefix_index, rakv.controller, rakv.cost_model, rakv.acceptance"
+TORCH_FREE_MODULES = ("simulator, simulator.trace, simulator.session, policy, rakv.prefix_index, rakv.store_model, "
+                      "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.settings, "
+                      "rakv.prompt_file, rakv.op_timing, profiler.schema, profiler.trace_io, profiler.workloads")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -38,7 +38,7 @@ def op_row(i: int) -> OpRow:
 
 def run_row(i: int) -> RunRow:
     return RunRow(request_id=i, policy="ar", r=i % 2, drafter="ngram" if i % 3 == 0 else "draft", k=(0, 1, 2, 4, 6, 8)[i % 6],
-                  hit_tokens=i, reused_tokens=max(i - 1, 0), hit_kind=("miss", "partial", "exact")[i % 3],
+                  max_new_tokens=32, hit_tokens=i, reused_tokens=max(i - 1, 0), hit_kind=("miss", "partial", "exact")[i % 3],
                   ttft_s=0.01 * i, e2e_s=0.1 + i, num_output_tokens=5, num_rounds=2,
                   start_per_round=[1, 3], drafter_per_round=["draft", "ngram"], accepted_per_round=[1, 0], k_per_round=[2, 2], proposed_per_round=[2, 1], identical_to_ar=True)
 
@@ -90,9 +90,9 @@ def test_rows_reject_broken_invariants_and_values():
     with pytest.raises(ValueError, match="output tokens"):
         RequestRow(0, "w", "g", 0, 0.0, [1], [1, 2], 2, [DrafterRunLengths("draft", 4, [1], [4])])
     with pytest.raises(ValueError, match="num_rounds"):
-        RunRow(0, "ar", 0, "draft", 2, 0, 0, "miss", 0.0, 0.0, 3, 2, [1, 3], ["draft"] * 2, [1], [2, 2], [2, 2], True)
+        RunRow(0, "ar", 0, "draft", 2, 8, 0, 0, "miss", 0.0, 0.0, 3, 2, [1, 3], ["draft"] * 2, [1], [2, 2], [2, 2], True)
     with pytest.raises(ValueError, match="column 'k'"):
-        rows_to_table("runs", [RunRow(0, "ar", 0, "draft", 300, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], [], [], True)])
+        rows_to_table("runs", [RunRow(0, "ar", 0, "draft", 300, 8, 0, 0, "miss", 0.0, 0.0, 0, 0, [], [], [], [], [], True)])
     with pytest.raises(TypeError, match="RunRow"):
         rows_to_table("runs", [op_row(0)])
 
@@ -181,6 +181,27 @@ def test_missing_version_wrong_table_and_missing_columns_are_rejected(tmp_path):
     pq.write_table(data.replace_schema_metadata({b"rakv.table": b"runs"}), path)
     with pytest.raises(TraceError, match="no rakv.schema_version"):
         read_table(path, "runs")
+
+
+def test_older_minor_version_gets_the_added_columns_filled(tmp_path):
+    """A 1.1 file lacks what 1.2 added: its rows read with the stated fill values; a 1.0
+    runs file lacks what 1.1 added, which has no fill value: refused."""
+    with TraceWriter(tmp_path, META) as writer:
+        writer.append("requests", [request_row(i) for i in range(3)])
+        writer.append("runs", [run_row(i) for i in range(3)])
+    for table, column in (("requests", "draft_top1_probs"), ("runs", "max_new_tokens")):
+        path = final_path(tmp_path, table)
+        data = pq.read_table(path)
+        pq.write_table(data.drop_columns([column]).replace_schema_metadata(
+            {**data.schema.metadata, b"rakv.schema_version": b"1.1"}), path)
+    assert [r.draft_top1_probs for r in table_to_rows("requests", read_table(tmp_path, "requests"))] == [()] * 3
+    assert [r.max_new_tokens for r in table_to_rows("runs", read_table(tmp_path, "runs"))] == [0] * 3
+    path = final_path(tmp_path, "runs")
+    data = pq.read_table(path)
+    pq.write_table(data.drop_columns(["start_per_round"]).replace_schema_metadata(
+        {**data.schema.metadata, b"rakv.schema_version": b"1.0"}), path)
+    with pytest.raises(TraceError, match=r"\(schema 1\.0\) lacks columns start_per_round"):
+        read_table(tmp_path, "runs")
 
 
 def test_newer_minor_version_with_extra_columns_is_accepted(tmp_path):

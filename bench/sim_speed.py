@@ -1,0 +1,70 @@
+"""How fast the simulator replays: requests simulated per second, per policy, for a
+workload resampled to 10,000 requests, the time to load the trace and fit the cost model,
+and the peak memory of the process.
+
+    python -m bench.sim_speed                       # traces/smollm2-sharegpt, 10,000 requests
+    python -m bench.sim_speed --trace traces/smollm2-chat --requests 2000 --json
+
+Goals (issue: the simulator): at least 10,000 requests/s for every policy, ``rakv``
+included (the oracle, which replays all 26 of its actions for every request, is
+reported beside them); fit in at most 30 s; at most 300 MB. Each policy is timed over
+the same resampled arrivals, one after another, in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+GOAL_REQUESTS_PER_S = 10_000
+GOAL_FIT_S = 30.0
+GOAL_PEAK_RSS_MB = 300.0
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-sharegpt"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim_speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--oracle-requests", type=int, default=1_000, help="the oracle is timed on this many (default: 1000)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    from rakv.controller import fixed_policy_names
+    from simulator.replay import make_session, simulate
+    from simulator.schedule import schedule
+    from simulator.timing import load_timing
+    from simulator.trace import load_trace
+    trace = load_trace(args.trace)
+    timing = load_timing(args.trace, trace)
+    fit_s = time.perf_counter() - start
+    inputs = timing.decision_inputs(trace)
+
+    names = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
+    rates = {}
+    for name in names:
+        arrivals = schedule(trace, args.oracle_requests if name == "oracle" else args.requests, None, seed=0)
+        session = make_session(name, trace, inputs, timing)
+        begin = time.perf_counter()
+        simulate(arrivals, session, timing)
+        rates[name] = len(arrivals) / (time.perf_counter() - begin)
+        print(f"{name:16} {rates[name]:9.0f} requests/s", file=sys.stderr)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result = {"trace": args.trace.name, "requests": args.requests, "requests_per_s": rates, "fit_s": fit_s,
+              "peak_rss_mb": peak_rss_mb}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        slowest = min((r, n) for n, r in rates.items() if n != "oracle")
+        print(f"{args.trace.name}, {args.requests} resampled requests: slowest policy {slowest[1]} at "
+              f"{slowest[0]:.0f} requests/s (goal {GOAL_REQUESTS_PER_S}); oracle {rates['oracle']:.0f} requests/s; "
+              f"fit {fit_s:.2f} s (goal {GOAL_FIT_S:.0f}); peak RSS {peak_rss_mb:.0f} MB (goal {GOAL_PEAK_RSS_MB:.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

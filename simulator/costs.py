@@ -1,0 +1,275 @@
+"""Step costs: a per-op model fitted to a trace's ops table, and what the engine spends on
+one replayed request under it. Imports no torch.
+
+Each model op is the median of its repeats at every grid point, interpolated piecewise
+linearly over lengths (and extrapolated along the last segment): ``decode`` over the
+context, ``prefill`` over new and cached tokens, ``verify`` over scored tokens and context.
+The store's clone and insert are a fixed cost plus a cost per byte; its lookup and prompt
+lookup's proposal are linear in the tokens searched.
+
+``request_cost`` walks a request as the engine runs it (``rakv.engine.Engine.generate``):
+store lookups, the clones of reused positions and the target's prefill (the time to first
+token), then every iteration of the decode loop: prompt lookup's match whenever it is
+ready (it is computed once per step, for its signal and its shadow alike), and a plain
+target step, or a round: the draft model's catch-up on the tokens it has not seen (after
+rounds it did not draft, several), its further steps and the target's verification of the
+proposal (an empty prompt-lookup proposal is one plain step); finally the store's inserts.
+What the ops do not see (Python per request, per iteration and per round) is
+``Overhead``, fitted from the runs table (``simulator.calibration``).
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Sequence
+
+from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.op_timing import OpRow
+from rakv.settings import DecisionInputs
+from simulator.session import ReplayedRequest
+
+
+class CostModelError(ValueError):
+    """Ops that cannot be fitted; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """y(x) through sorted points, linear between them and along the end segments beyond."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # x -> y: replays repeat lengths
+
+    def __call__(self, x: float) -> float:
+        y = self._memo.get(x)
+        if y is None:
+            y = self._memo[x] = self._at(x)
+        return y
+
+    def _at(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+        return max(ys[i] + slope * (x - xs[i]), 0.0)
+
+
+@dataclass(frozen=True)
+class Surface:
+    """y(x, z): a ``Curve`` over x at each measured z, linear in z between them."""
+
+    zs: tuple[float, ...]
+    curves: tuple[Curve, ...]
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # (x, z) -> y
+
+    def __call__(self, x: float, z: float) -> float:
+        y = self._memo.get((x, z))
+        if y is None:
+            y = self._memo[x, z] = (Curve(self.zs, tuple(c(x) for c in self.curves))._at(z) if len(self.zs) > 1
+                                    else self.curves[0](x))
+        return y
+
+
+def _curve(points: dict[float, list[float]]) -> Curve:
+    xs = sorted(points)
+    return Curve(tuple(xs), tuple(median(points[x]) for x in xs))
+
+
+def _surface(points: dict[tuple[float, float], list[float]]) -> Surface:
+    """Points keyed (x, z); each z needs its own x points."""
+    by_z: dict[float, dict[float, list[float]]] = defaultdict(dict)
+    for (x, z), values in points.items():
+        by_z[z][x] = values
+    zs = sorted(by_z)
+    return Surface(tuple(zs), tuple(_curve(by_z[z]) for z in zs))
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """One model's forward costs, seconds."""
+
+    prefill: Surface  # (new tokens, cached tokens): one logits row
+    decode: Curve  # (cached tokens): one token
+    verify: Surface  # (tokens scored, cached tokens): a logits row per token
+
+    def prefill_s(self, num_new: int, num_cached: int) -> float:
+        return self.prefill(num_new, num_cached) if num_new > 0 else 0.0
+
+    def forward_s(self, num_new: int, num_cached: int) -> float:
+        """Feeding ``num_new`` tokens for the last one's logits: a step or a short prefill."""
+        return self.decode(num_cached) if num_new == 1 else self.prefill_s(num_new, num_cached)
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    target: ModelCosts
+    draft: ModelCosts | None
+    clone: Curve  # (bytes restored)
+    insert: Curve  # (bytes kept)
+    lookup: Curve  # (prompt tokens): one model's match in the store
+    ngram: Curve  # (sequence tokens): one prompt-lookup match
+
+
+def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
+    points: dict[str, dict] = {"prefill": defaultdict(list), "decode": defaultdict(list), "verify": defaultdict(list)}
+    for r in rows:
+        if r.model == role and r.op in points:
+            key = r.num_cached_tokens if r.op == "decode" else (r.num_new_tokens, r.num_cached_tokens)
+            points[r.op][key].append(r.seconds)
+    missing = [op for op, found in points.items() if not found]
+    if missing:
+        raise CostModelError(f"the ops table holds no {', '.join(missing)} timings of the {role} model")
+    return ModelCosts(_surface(points["prefill"]), _curve(points["decode"]), _surface(points["verify"]))
+
+
+def _store_curve(rows: list[OpRow], model: str, op: str, by_bytes: bool) -> Curve:
+    points = defaultdict(list)
+    for r in rows:
+        if r.model == model and r.op == op:
+            points[r.num_bytes if by_bytes else (r.num_cached_tokens if model == NGRAM else r.num_new_tokens)].append(
+                r.seconds)
+    if not points:
+        raise CostModelError(f"the ops table holds no {model} {op} timings")
+    curve = _curve(points)
+    if len(curve.xs) == 1:  # one size measured: proportional to it
+        curve = Curve((0.0,) + curve.xs, (0.0,) + curve.ys)
+    return curve
+
+
+def fit_op_costs(ops: Sequence[OpRow]) -> OpCosts:
+    rows = list(ops)
+    if not rows:
+        raise CostModelError("the trace has no ops table rows: record it with ops, or give a timing trace")
+    has_draft = any(r.model == DRAFT_MODEL for r in rows)
+    return OpCosts(
+        target=_model_costs(rows, "target"), draft=_model_costs(rows, DRAFT_MODEL) if has_draft else None,
+        clone=_store_curve(rows, "store", "clone", True), insert=_store_curve(rows, "store", "insert", True),
+        lookup=_store_curve(rows, "store", "lookup", False), ngram=_store_curve(rows, NGRAM, "propose", False))
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Seconds the ops do not see: Python per request (before the first token, and
+    after it), per decode-loop iteration, per round, and the adaptive planner's extra per
+    iteration."""
+
+    ttft_s: float = 0.0
+    request_s: float = 0.0
+    iteration_s: float = 0.0
+    round_s: float = 0.0
+    adaptive_iteration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    ttft_s: float  # service time to the first token (no queueing)
+    e2e_s: float  # service time of the whole request
+    num_iterations: int  # decode-loop iterations: plain steps and rounds
+    ops_ttft_s: float  # the ops' part of each, before the overhead
+    ops_e2e_s: float
+
+
+def request_cost(replayed: ReplayedRequest, num_prompt: int, costs: OpCosts, inputs: DecisionInputs,
+                 overhead: Overhead = Overhead()) -> RequestCost:
+    """What the engine spends on ``replayed`` (see the module docstring)."""
+    n, target, draft = num_prompt, costs.target, costs.draft
+    reuse = replayed.store.reuse
+    ttft = costs.lookup(n) * (1 + (inputs.draft_sizes is not None))
+    if reuse.reused_tokens:
+        ttft += costs.clone(reuse.reused_tokens * inputs.target_sizes.kv_bytes_per_token)
+    ttft += target.prefill_s(n - reuse.reused_tokens, reuse.reused_tokens)
+    total = ttft
+    draft_positions = replayed.store.draft_reused_tokens
+    if draft_positions:
+        total += costs.clone(draft_positions * inputs.draft_sizes.kv_bytes_per_token)
+    ngram_ready = NGRAM in replayed.drafters
+    rounds = {r.start: r for r in replayed.rounds}
+    num_output = replayed.num_output_tokens
+    t, iterations = 1, 0
+    while t < num_output:
+        length = n + t  # the sequence so far; the target's cache holds all of it but the last token
+        iterations += 1
+        if ngram_ready:
+            total += costs.ngram(length)
+        rnd = rounds.get(t)
+        if rnd is None:
+            total += target.decode(length - 1)
+            t += 1
+            continue
+        if rnd.drafter == DRAFT_MODEL:
+            catch_up = length - draft_positions
+            total += draft.forward_s(catch_up, draft_positions)
+            total += sum(draft.decode(length + i) for i in range(rnd.num_proposed - 1))
+        appended = min(rnd.accepted + 1, num_output - t)
+        if rnd.num_proposed:
+            total += target.verify(rnd.num_proposed + 1, length - 1)
+        else:  # an empty prompt-lookup proposal: one plain step
+            total += target.decode(length - 1)
+        if rnd.drafter == DRAFT_MODEL:
+            draft_positions = length + min(rnd.num_proposed, appended) - 1
+        t += appended
+    kept = replayed.store
+    if kept.kept_tokens:
+        total += costs.insert(kept.kept_tokens * inputs.target_sizes.kv_bytes_per_token)
+    if kept.kept_draft_tokens:
+        total += costs.insert(kept.kept_draft_tokens * inputs.draft_sizes.kv_bytes_per_token)
+    return with_overhead(RequestCost(ttft, total, iterations, ttft, total), overhead, len(replayed.rounds),
+                         replayed.adaptive)
+
+
+@dataclass(frozen=True)
+class OverheadSample:
+    """One measured run beside the ops' account of it."""
+
+    cost: RequestCost  # under zero overhead
+    num_rounds: int
+    adaptive: bool
+    measured_ttft_s: float
+    measured_e2e_s: float
+
+
+def fit_overhead(samples: Sequence[OverheadSample]) -> Overhead:
+    """The overhead that best explains measured runs beyond their ops, minimising the mean
+    absolute relative error (what MAPE measures; a run slowed by something else on the
+    machine pulls it far less than least squares would): the time to first token's as a
+    constant, the rest as a constant per request plus terms per iteration, per round and
+    per adaptive iteration. A term no sample varies is left at 0. No samples: zero."""
+    import numpy as np
+    if not samples:
+        return Overhead()
+    ttft_s = _least_relative_error(np.ones((len(samples), 1)),
+                                   np.array([s.measured_ttft_s - s.cost.ops_ttft_s for s in samples]),
+                                   np.array([s.measured_ttft_s for s in samples]))[0]
+    columns = [[1.0] * len(samples), [s.cost.num_iterations for s in samples], [s.num_rounds for s in samples],
+               [s.cost.num_iterations * s.adaptive for s in samples]]
+    design = np.array(columns, dtype=float).T  # [runs, 4]
+    used = [j for j in range(4) if j == 0 or np.ptp(design[:, j]) > 0]
+    residual = np.array([s.measured_e2e_s - s.cost.ops_e2e_s - ttft_s for s in samples])
+    coef = dict(zip(used, _least_relative_error(design[:, used], residual,
+                                                np.array([s.measured_e2e_s for s in samples]))))
+    return Overhead(ttft_s=float(ttft_s), request_s=coef.get(0, 0.0), iteration_s=coef.get(1, 0.0),
+                    round_s=coef.get(2, 0.0), adaptive_iteration_s=coef.get(3, 0.0))
+
+
+def _least_relative_error(design, target, scale, iterations: int = 50) -> list[float]:
+    """x minimising sum |target - design @ x| / scale, by iteratively reweighted least squares."""
+    import numpy as np
+    weights = 1.0 / scale
+    x = np.zeros(design.shape[1])
+    for _ in range(iterations):
+        root = np.sqrt(weights)
+        x = np.linalg.lstsq(design * root[:, None], target * root, rcond=None)[0]
+        error = np.abs(target - design @ x)
+        weights = 1.0 / (scale * np.maximum(error, 1e-4 * scale))
+    return [float(v) for v in x]
+
+
+def with_overhead(cost: RequestCost, overhead: Overhead, num_rounds: int, adaptive: bool) -> RequestCost:
+    """``cost`` (fitted under zero overhead) with ``overhead`` added."""
+    e2e = (cost.ops_e2e_s + overhead.ttft_s + overhead.request_s + overhead.iteration_s * cost.num_iterations
+           + overhead.round_s * num_rounds + overhead.adaptive_iteration_s * cost.num_iterations * adaptive)
+    return RequestCost(cost.ops_ttft_s + overhead.ttft_s, e2e, cost.num_iterations, cost.ops_ttft_s, cost.ops_e2e_s)

@@ -1,0 +1,102 @@
+"""``python -m simulator.crossover``: the acceptance above which speculation pays, per
+drafter and draft length k, on the machine a timing trace was recorded on.
+
+A round of k draft tokens gains E_k(a) = (1 - a^(k+1)) / (1 - a) tokens at per-token
+acceptance a (``rakv.cost_model.expected_progress``) and costs the drafter's proposal
+plus the target's verification of k + 1 tokens; a plain step gains one token. Speculation
+pays where E_k(a) / round > 1 / step. Costs are the simulator's (``simulator.costs``) at
+one context length: a draft model's round is k one-token draft forwards (its catch-up is
+one token after a round it drafted) and the verification; prompt lookup's is one match
+and the verification. Each iteration of the decode loop and each round also carry the
+fitted overhead. Imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from profiler.schema import TraceError
+from rakv.cli import run_cli
+from rakv.cost_model import K_CHOICES, expected_progress
+from rakv.drafters import DRAFT_MODEL, NGRAM
+from simulator.costs import CostModelError
+from simulator.timing import Timing, load_timing
+
+
+@dataclass(frozen=True)
+class Crossover:
+    drafter: str
+    k: int
+    round_s: float
+    step_s: float
+    break_even: float | None  # acceptance above which a round beats plain steps; None: never below 1
+
+    @property
+    def round_in_steps(self) -> float:
+        return self.round_s / self.step_s
+
+
+def step_s(timing: Timing, context: int) -> float:
+    return timing.costs.target.decode(context) + timing.overhead.iteration_s
+
+
+def round_s(timing: Timing, drafter: str, k: int, context: int) -> float:
+    costs = timing.costs
+    cost = costs.target.verify(k + 1, context) + timing.overhead.iteration_s + timing.overhead.round_s
+    if drafter == NGRAM:
+        return cost + costs.ngram(context)
+    return cost + sum(costs.draft.decode(context + i) for i in range(k))
+
+
+def break_even(round_cost_s: float, step_cost_s: float, k: int) -> float | None:
+    """The acceptance a with E_k(a) = round / step, by bisection (E_k rises with a)."""
+    need = round_cost_s / step_cost_s
+    if need >= k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_progress(mid, k) < need else (low, mid)
+    return high
+
+
+def crossovers(timing: Timing, context: int) -> list[Crossover]:
+    drafters = ((DRAFT_MODEL,) if timing.costs.draft is not None else ()) + (NGRAM,)
+    step = step_s(timing, context)
+    rows = []
+    for drafter in drafters:
+        for k in K_CHOICES[1:]:
+            cost = round_s(timing, drafter, k, context)
+            rows.append(Crossover(drafter, k, cost, step, break_even(cost, step, k)))
+    return rows
+
+
+def markdown(rows: list[Crossover], source: str, context: int) -> str:
+    lines = [f"{source}: plain step {rows[0].step_s * 1e3:.2f} ms at context {context}", "",
+             "| drafter | k | round (ms) | round / step | pays above acceptance |", "|---|---|---|---|---|"]
+    for r in rows:
+        pays = "never" if r.break_even is None else f"{r.break_even:.3f}"
+        lines.append(f"| {r.drafter} | {r.k} | {r.round_s * 1e3:.2f} | {r.round_in_steps:.2f} | {pays} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.context < 1:
+        raise ValueError(f"--context must be at least 1, got {args.context}")
+    timing = load_timing(args.timing, None)
+    print(markdown(crossovers(timing, args.context), timing.source, args.context))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m simulator.crossover",
+                                description="Print, per drafter and k, the acceptance above which speculation pays.")
+    p.add_argument("--timing", type=Path, required=True, help="a trace directory with an ops table")
+    p.add_argument("--context", type=int, default=256, help="tokens already in the cache (default: 256)")
+    return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

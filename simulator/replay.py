@@ -1,0 +1,241 @@
+"""``python -m simulator.replay``: what would each policy cost on a recorded workload?
+
+Discrete-event replay at batch 1 with an FCFS queue: requests arrive (``simulator.schedule``),
+wait while the engine serves earlier ones, and are served by the engine's own store
+model, policy and round planner (``simulator.session``: decisions and acceptance are
+exact), at the cost the per-op model gives the engine's work (``simulator.costs``). The
+oracle (``simulator.oracle``) prices every action of every request and takes the
+cheapest; each policy's regret is its total service time over the oracle's, minus one.
+
+    python -m simulator.replay                                   # a shipped trace, every policy
+    python -m simulator.replay --trace traces/smollm2-sharegpt --policy rakv --requests 10000 --json
+    python -m simulator.replay --trace traces/qwen-coder-humaneval --timing traces/qwen-coder-ops
+Imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from profiler.schema import TraceError
+from rakv.cli import run_cli
+from rakv.controller import FIXED_POLICY_HELP, fixed_policy_names, make_policy
+from rakv.settings import DecisionInputs
+from simulator.costs import CostModelError, request_cost
+from simulator.oracle import Oracle
+from simulator.schedule import Arrival, ScheduleError, schedule
+from simulator.session import ReplayedRequest, Session, SessionError
+from simulator.timing import Timing, load_timing
+from simulator.trace import Trace, load_trace
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
+PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
+
+
+@dataclass(frozen=True)
+class Served:
+    """One request as a policy served it; times from its arrival."""
+
+    request_id: int
+    arrival_s: float
+    ttft_s: float  # queueing included
+    e2e_s: float  # queueing included
+    service_s: float
+    num_prompt_tokens: int
+    hit_tokens: int
+    reused_tokens: int
+    num_output_tokens: int
+    num_rounds: int
+    num_accepted: int
+    action: str  # action_label
+
+
+@dataclass(frozen=True)
+class PolicySummary:
+    policy: str
+    num_requests: int
+    mean_e2e_s: float
+    p50_e2e_s: float
+    p99_e2e_s: float
+    mean_ttft_s: float
+    tokens_per_s: float  # output tokens over the time from the first arrival to the last finish
+    hit_rate: float  # fraction of requests that reused stored KV
+    mean_accepted_per_round: float
+    total_service_s: float
+    regret_vs_oracle: float | None  # total service time over the oracle's, minus one
+    action_histogram: dict[str, int]
+
+
+def action_label(replayed: ReplayedRequest) -> str:
+    """What ran: a fixed (r, drafter, k), or adaptive rounds with the drafters they had."""
+    if replayed.adaptive:
+        return f"(r={replayed.action.r}, adaptive{', draft' if replayed.draft_ready else ''})"
+    return str(replayed.action)
+
+
+def serve(session: Session, arrival: Arrival, start_s: float, timing: Timing) -> Served:
+    request = arrival.request
+    replayed = session.run(request, request.max_new_tokens)
+    cost = request_cost(replayed, len(request.prompt_ids), timing.costs, session.inputs, timing.overhead)
+    wait_s = start_s - arrival.arrival_s
+    return Served(request.request_id, arrival.arrival_s, wait_s + cost.ttft_s, wait_s + cost.e2e_s, cost.e2e_s,
+                  len(request.prompt_ids), replayed.hit_tokens, replayed.store.reuse.reused_tokens,
+                  replayed.num_output_tokens, len(replayed.rounds), sum(r.accepted for r in replayed.rounds),
+                  action_label(replayed))
+
+
+def simulate(arrivals: list[Arrival], session: Session, timing: Timing, progress=None) -> list[Served]:
+    """Batch 1, FCFS: pop an event, handle it, start the next request when the engine is free."""
+    events = [(a.arrival_s, i, a) for i, a in enumerate(arrivals)]  # (time, tie-break, arrival or Served)
+    heapq.heapify(events)
+    queue: deque[Arrival] = deque()
+    served: list[Served] = []
+    busy, counter = False, len(events)
+    while events:
+        now, _, event = heapq.heappop(events)
+        if isinstance(event, Arrival):
+            queue.append(event)
+        else:
+            served.append(event)
+            busy = False
+            if progress is not None:
+                progress.update(1)
+        if not busy and queue:
+            done = serve(session, queue.popleft(), now, timing)
+            heapq.heappush(events, (now + done.service_s, counter, done))
+            busy, counter = True, counter + 1
+    return served
+
+
+def summarize(policy: str, served: list[Served], oracle_service_s: float | None) -> PolicySummary:
+    e2e = np.array([s.e2e_s for s in served])
+    span_s = max(s.arrival_s + s.e2e_s for s in served) - min(s.arrival_s for s in served)
+    rounds = sum(s.num_rounds for s in served)
+    total_s = float(sum(s.service_s for s in served))
+    return PolicySummary(
+        policy=policy, num_requests=len(served), mean_e2e_s=float(e2e.mean()),
+        p50_e2e_s=float(np.percentile(e2e, 50)), p99_e2e_s=float(np.percentile(e2e, 99)),
+        mean_ttft_s=float(np.mean([s.ttft_s for s in served])),
+        tokens_per_s=sum(s.num_output_tokens for s in served) / span_s,
+        hit_rate=sum(s.reused_tokens > 0 for s in served) / len(served),
+        mean_accepted_per_round=sum(s.num_accepted for s in served) / rounds if rounds else 0.0,
+        total_service_s=total_s,
+        regret_vs_oracle=None if oracle_service_s is None else total_s / oracle_service_s - 1.0,
+        action_histogram=dict(Counter(s.action for s in served).most_common()))
+
+
+def policy_names(spec: str, inputs: DecisionInputs) -> list[str]:
+    """``all``, or a comma-separated list; unknown names fail before any replay."""
+    known = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
+    names = known if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    for name in names:
+        if name not in known:
+            if name != "oracle":
+                make_policy(name, inputs.timings)  # the one-line error naming the choices
+            raise ValueError(f"policy {name!r} needs a draft model; the trace's pair has none")
+    return names
+
+
+def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing) -> Session:
+    if name == "oracle":
+        return Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
+    return Session.for_policy(name, inputs, trace.target_namespace, trace.draft_namespace)
+
+
+def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
+           budget_bytes: int | None = None) -> dict[str, tuple[PolicySummary, list[Served]]]:
+    """Every named policy over the same arrivals (the oracle's regret baseline included)."""
+    inputs = timing.decision_inputs(trace)
+    if budget_bytes is not None:
+        inputs = replace(inputs, engine=replace(inputs.engine, store=replace(inputs.engine.store,
+                                                                             budget_bytes=budget_bytes)))
+    order = ["oracle"] + [n for n in names if n != "oracle"]
+    total = len(order) * len(arrivals)
+    progress = None
+    if total >= PROGRESS_MIN_REQUESTS:
+        from tqdm import tqdm
+        progress = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, leave=False)
+    results = {}
+    oracle_s = None
+    for name in order:
+        served = simulate(arrivals, make_session(name, trace, inputs, timing), timing, progress)
+        summary = summarize(name, served, oracle_s)
+        if name == "oracle":
+            oracle_s = summary.total_service_s
+            summary = replace(summary, regret_vs_oracle=0.0)
+        results[name] = (summary, served)
+    if progress is not None:
+        progress.close()
+    return {name: results[name] for name in names}
+
+
+def markdown(summaries: list[PolicySummary], title: str) -> str:
+    lines = [f"{title}", "",
+             "| policy | mean e2e (s) | p50 (s) | p99 (s) | mean TTFT (s) | tok/s | hit rate | accepted/round "
+             "| regret vs oracle | most frequent action |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summaries:
+        action, count = next(iter(s.action_histogram.items()))
+        lines.append(f"| {s.policy} | {s.mean_e2e_s:.3f} | {s.p50_e2e_s:.3f} | {s.p99_e2e_s:.3f} | {s.mean_ttft_s:.3f} "
+                     f"| {s.tokens_per_s:.2f} | {s.hit_rate:.2f} | {s.mean_accepted_per_round:.2f} "
+                     f"| {100 * s.regret_vs_oracle:+.1f}% | {action} x{count} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m simulator.replay",
+        description="Replay a recorded workload under any policy: exact decisions and acceptance, "
+                    "costs from the trace's per-op timings. Prints one row per policy.")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                   help=f"acceptance trace directory (default: {DEFAULT_TRACE.relative_to(DEFAULT_TRACE.parents[1])})")
+    p.add_argument("--timing", type=Path, default=None,
+                   help="timing trace of the same model shapes, perhaps another machine's (default: the trace's own ops)")
+    p.add_argument("--policy", default="all", help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle")
+    p.add_argument("--budget-mib", type=float, default=None, help="prefix store budget (default: the recorded one)")
+    p.add_argument("--arrival-rate", type=float, default=None,
+                   help="Poisson arrivals per second (default: the recorded arrival times)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="resample the trace's requests, with their prefix families, to this many (default: as recorded)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the resampling and the arrivals (default: 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per policy instead of a table")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR", help="also write PNG figures into DIR")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.budget_mib is not None and args.budget_mib <= 0:
+        raise ValueError(f"--budget-mib must be positive, got {args.budget_mib}")
+    trace = load_trace(args.trace)
+    timing = load_timing(args.timing or args.trace, trace)
+    names = policy_names(args.policy, timing.decision_inputs(trace))
+    arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
+    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
+    results = replay(trace, timing, names, arrivals, budget)
+    summaries = [summary for summary, _ in results.values()]
+    if args.json:
+        for summary in summaries:
+            print(json.dumps(asdict(summary)))
+    else:
+        print(markdown(summaries, f"{args.trace.name}: {len(arrivals)} requests, timing from {timing.source}"))
+    if args.plot is not None:
+        from simulator.plots import write_plots
+        for path in write_plots(args.plot, results, timing, trace):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parse_args(argv),
+                   (ValueError, TraceError, CostModelError, ScheduleError, SessionError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""A replay session: the engine's own store model and policy, fed recorded requests one at
+a time, reproducing what the engine did with each. Imports no torch.
+
+Per request, in the engine's order (``rakv.engine.Engine.generate``): match the prompt in
+the store for the target and the draft; the policy decides the action from those
+features and makes the request's round planner; the rounds replay exactly from the run
+lengths (``rakv.acceptance.replay_request``); the store model applies the request
+(reuse, then the kept entries); the policy observes the request's acceptance counts. Every
+step is a function of the tokens and the decision inputs, so the session reproduces the
+engine's actions, hits, rounds and store contents exactly, and carries the policy's and
+the store's state from request to request as the engine does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rakv.acceptance import ReplayedRound, replay_request
+from rakv.controller import Policy, RequestOutcome, make_policy
+from rakv.cost_model import Action, RequestFeatures
+from rakv.drafters import DRAFT_MODEL
+from rakv.round_planner import AdaptiveRounds, FixedRounds
+from rakv.settings import DecisionInputs
+from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
+from profiler.schema import RunRow
+from simulator.trace import RecordedRequest, Trace
+
+
+@dataclass(frozen=True)
+class ReplayedRequest:
+    request_id: int
+    action: Action
+    features: RequestFeatures
+    store: StoreOutcome  # what it reused and kept
+    drafters: tuple[str, ...]  # the drafters its planner had ready (the draft model's cache, if there, was prefilled)
+    adaptive: bool  # its rounds were planned adaptively (not the same k every round)
+    rounds: tuple[ReplayedRound, ...]
+    num_output_tokens: int
+    estimates: tuple[tuple[str, float], ...]  # the adaptive policy's acceptance per drafter when it decided
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.features.target_hit_tokens
+
+    @property
+    def draft_ready(self) -> bool:
+        return DRAFT_MODEL in self.drafters
+
+
+class SessionError(ValueError):
+    """A replay the trace cannot support; the message is one line."""
+
+
+class Session:
+    """One engine's worth of state (store and policy), replayed."""
+
+    def __init__(self, policy: Policy, inputs: DecisionInputs, target_namespace: str,
+                 draft_namespace: str | None):
+        self.policy = policy
+        self.inputs = inputs
+        self.store = StoreModel(inputs.engine.store)
+        self._fixed_memo: dict[tuple, tuple[FixedRounds, tuple[ReplayedRound, ...]]] = {}
+        self.target_namespace, self.draft_namespace = target_namespace, draft_namespace
+
+    @classmethod
+    def for_policy(cls, name: str, inputs: DecisionInputs, target_namespace: str,
+                   draft_namespace: str | None) -> "Session":
+        return cls(make_policy(name, inputs.timings, inputs.controller), inputs, target_namespace, draft_namespace)
+
+    def run(self, request: RecordedRequest, max_new_tokens: int) -> ReplayedRequest:
+        """The request as the engine runs it with this cap on new tokens."""
+        if max_new_tokens > request.max_new_tokens:
+            raise SessionError(f"request {request.request_id} was recorded up to {request.max_new_tokens} new "
+                               f"tokens; a replay cannot ask for {max_new_tokens}")
+        n = len(request.prompt_ids)
+        prompt = request.token_ids[:n]
+        max_new = min(max_new_tokens, self.inputs.max_positions - n)
+        target = self.store.match(self.target_namespace, prompt)
+        draft = self.store.match(self.draft_namespace, prompt)
+        features = RequestFeatures.of(target, draft, max_new)
+        estimates = tuple(sorted(getattr(self.policy, "acceptance", {}).items()))
+        action, planner, rounds = self.decide(request, features, target, draft)
+        draft_ready = DRAFT_MODEL in planner.drafters
+        seq = request.token_ids[:n + output_length(request, max_new)]
+        draft_side = (self.draft_namespace, draft, self.inputs.draft_sizes) if draft_ready else None
+        outcome = self.store.serve(seq, n, (self.target_namespace, target, self.inputs.target_sizes),
+                                   draft_side, action.r, rounds)
+        self.policy.observe(RequestOutcome(action, planner.counts()))
+        return ReplayedRequest(request.request_id, action, features, outcome, tuple(planner.drafters),
+                               isinstance(planner, AdaptiveRounds), rounds, len(seq) - n, estimates)
+
+    def decide(self, request: RecordedRequest, features: RequestFeatures, target: PrefixMatch,
+               draft: PrefixMatch) -> tuple[Action, object, tuple[ReplayedRound, ...]]:
+        """The policy's action, the request's planner after its rounds, and the rounds."""
+        action = self.policy.decide(features)
+        return (action, *self.rounds(request, features, self.policy.planner(features, action)))
+
+    def rounds(self, request: RecordedRequest, features: RequestFeatures,
+               planner) -> tuple[object, tuple[ReplayedRound, ...]]:
+        """The request's rounds under ``planner``, and the planner after observing them. A
+        fixed planner's rounds depend on the request and its cap alone: they are replayed
+        once per request, cap and (drafter, k)."""
+        if isinstance(planner, FixedRounds):
+            key = (request.request_id, planner.drafter, planner.k, features.num_new_tokens)
+            if key not in self._fixed_memo:
+                self._fixed_memo[key] = (planner, self._replay(request, features, planner))
+            return self._fixed_memo[key]
+        return planner, self._replay(request, features, planner)
+
+    def _replay(self, request: RecordedRequest, features: RequestFeatures, planner) -> tuple[ReplayedRound, ...]:
+        if DRAFT_MODEL in planner.drafters and self.inputs.draft_sizes is None:
+            raise SessionError(f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
+        if planner.drafters and request.max_k < self.inputs.controller.rounds.max_k:
+            raise SessionError(f"request {request.request_id} holds run lengths up to {request.max_k} tokens; "
+                               f"the planner drafts up to {self.inputs.controller.rounds.max_k}")
+        max_new = features.num_new_tokens
+        return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new))
+
+
+def output_length(request: RecordedRequest, max_new: int) -> int:
+    """Tokens the request generates under a cap of ``max_new``: greedy output stops at EOS."""
+    return min(len(request.output_ids), max_new)
+
+
+def replay_runs(trace: Trace, policy_name: str) -> list[tuple[RunRow, ReplayedRequest]]:
+    """The policy's recorded runs, each beside its replay: one session over the runs'
+    requests in order, as the recording ran them (one engine per policy)."""
+    inputs = trace.require_inputs()
+    runs = sorted((r for r in trace.runs if r.policy == policy_name), key=lambda r: r.request_id)
+    session = Session.for_policy(policy_name, inputs, trace.target_namespace, trace.draft_namespace)
+    return [(run, session.run(trace.by_id[run.request_id], run.max_new_tokens)) for run in runs]
+
+
+def run_mismatch(run: RunRow, replayed: ReplayedRequest) -> str | None:
+    """The first way the replay differs from the recorded run, or None."""
+    rounds = [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in replayed.rounds]
+    recorded = list(zip(run.start_per_round, run.drafter_per_round, run.k_per_round, run.proposed_per_round,
+                        run.accepted_per_round))
+    checks = (
+        ("action", (replayed.action.r, replayed.action.k, replayed.action.drafter), (run.r, run.k, run.drafter)),
+        ("hit tokens", replayed.hit_tokens, run.hit_tokens),
+        ("reused tokens", replayed.store.reuse.reused_tokens, run.reused_tokens),
+        ("hit kind", replayed.store.reuse.hit_kind, run.hit_kind),
+        ("output tokens", replayed.num_output_tokens, run.num_output_tokens),
+        ("rounds (start, drafter, k, proposed, accepted)", rounds, recorded),
+    )
+    for what, got, want in checks:
+        if got != want:
+            return f"request {run.request_id} under {run.policy}: {what} replayed as {got}, recorded {want}"
+    return None

@@ -1,0 +1,106 @@
+"""Where a replay's costs come from: a trace's ops table (its own, or a timing trace of the
+same model shapes recorded on another machine, joined by shape) and the overhead fitted
+from its measured runs. Imports no torch.
+
+A timing trace may hold the ops table alone (a random-weight recording on a GPU, say);
+then the overhead beyond the ops is not known and is taken as zero. With another
+machine's timing, the adaptive policy decides with that machine's calibration (the timing
+trace's, else timings fitted from its ops), as it would if it ran there, and the store
+counts that machine's bytes per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from profiler.schema import META_DECISION_INPUTS, RunRow, TraceError, TraceMeta, table_to_rows
+from profiler.trace_io import read_meta, read_table
+from rakv.cost_model import PairTimings, fit_timings
+from rakv.settings import DecisionInputs, settings_from_json
+from simulator.costs import OpCosts, Overhead, OverheadSample, fit_op_costs, fit_overhead, request_cost
+from simulator.session import replay_runs
+from simulator.trace import Trace, load_trace
+
+# config fields that fix a model's shapes, and so its timing (the weights' values do not)
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "n_embd", "n_layer", "n_head", "n_inner")
+
+
+@dataclass(frozen=True)
+class Timing:
+    source: str  # the timing trace's directory name
+    costs: OpCosts
+    overhead: Overhead
+    own: bool  # the acceptance trace's own timing
+    inputs: DecisionInputs | None  # the timing trace's, if it recorded them
+    fitted: PairTimings | None  # the cost model's timings fitted to its ops
+
+    def decision_inputs(self, trace: Trace) -> DecisionInputs:
+        """What the replay's engine decides with: the acceptance trace's inputs, on this
+        timing's machine (its calibration and bytes per token) when it is another's."""
+        inputs = trace.require_inputs()
+        if self.own:
+            return inputs
+        timings = self.inputs.timings if self.inputs is not None and self.inputs.timings is not None else self.fitted
+        if timings is not None and inputs.timings is not None:  # keep the recorded acceptance priors
+            timings = replace(timings, acceptance_prior=inputs.timings.acceptance_prior,
+                              ngram_acceptance_prior=inputs.timings.ngram_acceptance_prior)
+        if self.inputs is not None:
+            inputs = replace(inputs, target_sizes=self.inputs.target_sizes, draft_sizes=self.inputs.draft_sizes)
+        return replace(inputs, timings=timings or inputs.timings)
+
+
+def shape_of(meta: TraceMeta) -> dict:
+    config = meta.models.get("target_config") or {}
+    return {"target": {k: config[k] for k in SHAPE_KEYS if k in config}, "draft_layers": meta.models.get("draft_layers")}
+
+
+def check_same_shapes(timing_meta: TraceMeta, trace_meta: TraceMeta, timing_path: Path) -> None:
+    ours, theirs = shape_of(trace_meta), shape_of(timing_meta)
+    if ours != theirs:
+        raise TraceError(f"{timing_path}: timing trace of other model shapes ({theirs['target']}, draft layers "
+                         f"{theirs['draft_layers']}) than the trace's ({ours['target']}, draft layers "
+                         f"{ours['draft_layers']})")
+
+
+def overhead_samples(trace: Trace, costs: OpCosts) -> list[tuple[RunRow, OverheadSample]]:
+    """(run, its sample) for every recorded run of the trace, priced with zero overhead."""
+    inputs = trace.require_inputs()
+    samples = []
+    for policy in sorted({r.policy for r in trace.runs}):
+        for run, replayed in replay_runs(trace, policy):
+            cost = request_cost(replayed, len(trace.by_id[run.request_id].prompt_ids), costs, inputs)
+            samples.append((run, OverheadSample(cost, len(replayed.rounds), replayed.adaptive, run.ttft_s, run.e2e_s)))
+    return samples
+
+
+def load_timing(path: str | Path, trace: Trace | None) -> Timing:
+    """The timing at ``path`` for replaying ``trace`` (``path`` may be the trace itself;
+    ``trace`` None: the timing alone, for its own sake)."""
+    path = Path(path)
+    own = trace is not None and path.resolve() == Path(trace.path).resolve()
+    meta = trace.meta if own else read_meta(path, "ops")
+    if trace is not None and not own:
+        check_same_shapes(meta, trace.meta, path)
+    ops = table_to_rows("ops", read_table(path, "ops"))
+    costs = fit_op_costs(ops)
+    source = trace if own else _full_trace(path)
+    overhead = Overhead()
+    if source is not None and source.runs and source.inputs is not None:
+        overhead = fit_overhead([sample for _, sample in overhead_samples(source, costs)])
+    inputs = None
+    if META_DECISION_INPUTS in meta.config:
+        inputs = settings_from_json(DecisionInputs, meta.config[META_DECISION_INPUTS])
+    try:
+        fitted = fit_timings(ops)
+    except ValueError:
+        fitted = None
+    return Timing(path.name, costs, overhead, own, inputs, fitted)
+
+
+def _full_trace(path: Path) -> Trace | None:
+    """The timing trace with its requests and runs, or None when it holds only ops."""
+    try:
+        return load_trace(path)
+    except TraceError:
+        return None

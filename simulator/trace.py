@@ -1,0 +1,96 @@
+"""A recorded trace, read for replay: requests with every drafter's run lengths and
+signals, the decision inputs, the measured runs and the op timings. Imports no torch.
+
+Prompt lookup's signal (the length of the n-gram it matched) is not stored: it is a
+function of the tokens and the n-gram config, so it is recomputed here with the run
+lengths, which must then equal the stored ones (a check that the trace's n-gram config
+is the one its run lengths were recorded with).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from profiler.schema import META_DECISION_INPUTS, OpRow, RequestRow, RunRow, TraceError, TraceMeta, table_to_rows
+from profiler.trace_io import read_meta, read_table
+from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, RunLengths, ngram_run_lengths
+from rakv.settings import DecisionInputs, settings_from_json
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    request_id: int
+    group_id: str
+    turn: int
+    arrival_s: float
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]  # the target's greedy output, at most max_new_tokens
+    max_new_tokens: int  # the cap the output was recorded under: no replay may ask for more
+    lengths: Mapping[str, RunLengths]  # per drafter: m_t, proposal length and signal at every t
+    max_k: int  # run lengths are capped here: no round may draft more
+    draft_top1_probs: tuple[float, ...]
+    token_ids: np.ndarray  # [prompt + output] int64, the store's view of the request; never mutated
+
+
+@dataclass(frozen=True)
+class Trace:
+    path: Path
+    meta: TraceMeta
+    inputs: DecisionInputs | None  # None: a trace older than schema 1.2
+    target_namespace: str  # the models' fingerprints: the store's namespaces
+    draft_namespace: str | None
+    requests: tuple[RecordedRequest, ...]  # in workload order
+    runs: tuple[RunRow, ...]
+    ops: tuple[OpRow, ...]
+    by_id: Mapping[int, RecordedRequest]
+
+    def require_inputs(self) -> DecisionInputs:
+        if self.inputs is None:
+            raise TraceError(f"{self.path}: the trace records no decision inputs (schema before 1.2); "
+                             "re-record it to replay the store and the adaptive policy")
+        return self.inputs
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Every table of a trace directory, checked; a one-line ``TraceError`` otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace directory")
+    meta = read_meta(path, "requests")
+    inputs = None
+    if META_DECISION_INPUTS in meta.config:
+        try:
+            inputs = settings_from_json(DecisionInputs, meta.config[META_DECISION_INPUTS])
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{path}: its decision inputs cannot be read: {exc}") from None
+    ngram = inputs.engine.ngram if inputs is not None else NgramConfig()
+    requests = tuple(_recorded(row, ngram, path) for row in table_to_rows("requests", read_table(path, "requests")))
+    if not requests:
+        raise TraceError(f"{path}: the trace holds no requests")
+    return Trace(path=path, meta=meta, inputs=inputs, target_namespace=meta.models.get("target"),
+                 draft_namespace=meta.models.get("draft"), requests=requests,
+                 runs=tuple(table_to_rows("runs", read_table(path, "runs"))),
+                 ops=tuple(table_to_rows("ops", read_table(path, "ops"))), by_id={r.request_id: r for r in requests})
+
+
+def _recorded(row: RequestRow, ngram: NgramConfig, path: Path) -> RecordedRequest:
+    lengths: dict[str, RunLengths] = {}
+    max_k = min((d.max_k for d in row.run_lengths), default=0)
+    for stored in row.run_lengths:
+        if stored.drafter == NGRAM:
+            lengths[NGRAM] = ngram_run_lengths(row.prompt_ids, row.output_ids, stored.max_k, ngram)
+            if (tuple(lengths[NGRAM].runs), tuple(lengths[NGRAM].proposed)) != (stored.run_lengths,
+                                                                                 stored.proposal_lengths):
+                raise TraceError(f"{path}: request {row.request_id}'s prompt-lookup run lengths disagree with the "
+                                 f"trace's n-gram config {ngram}")
+        elif stored.drafter == DRAFT_MODEL:
+            lengths[DRAFT_MODEL] = RunLengths(list(stored.run_lengths), list(stored.proposal_lengths),
+                                              [0] * len(stored.run_lengths))
+    return RecordedRequest(
+        request_id=row.request_id, group_id=row.group_id, turn=row.turn, arrival_s=row.arrival_s,
+        prompt_ids=row.prompt_ids, output_ids=row.output_ids, max_new_tokens=row.max_new_tokens,
+        lengths=lengths, max_k=max_k, draft_top1_probs=row.draft_top1_probs,
+        token_ids=np.array(row.prompt_ids + row.output_ids, dtype=np.int64))

@@ -1,0 +1,131 @@
+"""``python -m simulator.validate``: the simulator against the runs a trace measured.
+
+Per policy: whether every replayed run's rounds (drafter, k, proposed, accepted), action,
+hit and output length equal the recorded ones (they must); the mean absolute percentage
+error of the simulated end-to-end time and time to first token against the measured
+ones; and, per request, the Spearman correlation between the policies' simulated and
+measured times (does the simulator rank the actions as the machine did?).
+
+No run's own time enters the model that predicts it: the op costs come from the ops
+table, and the overhead fitted from the runs table (``simulator.costs.fit_overhead``) is
+fitted, for each request, on the runs of every other request (leave one request out).
+Imports no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from profiler.schema import TraceError
+from rakv.cli import run_cli
+from simulator.costs import CostModelError, fit_op_costs, fit_overhead, with_overhead
+from simulator.session import SessionError, replay_runs, run_mismatch
+from simulator.timing import overhead_samples
+from simulator.trace import load_trace
+
+SPLIT = "leave one request out"
+
+
+@dataclass(frozen=True)
+class PolicyFidelity:
+    num_runs: int
+    e2e_mape: float  # fraction: 0.05 is 5 %
+    ttft_mape: float
+    round_mismatches: int  # runs whose replay differs from the recording in any way (run_mismatch)
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    trace: str
+    split: str
+    policies: dict[str, PolicyFidelity]
+    spearman: float  # mean over requests run under at least 3 policies
+    num_requests: int
+    first_mismatch: str | None
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):  # ties share their mean rank
+            tied = x == value
+            r[tied] = r[tied].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def validate(path: str | Path) -> Fidelity:
+    trace = load_trace(path)
+    if not trace.runs:
+        raise TraceError(f"{path}: the trace has no measured runs to validate against")
+    costs = fit_op_costs(trace.ops)
+    mismatches: dict[str, list[str]] = {}
+    for policy in sorted({r.policy for r in trace.runs}):
+        mismatches[policy] = [m for run, replayed in replay_runs(trace, policy) if (m := run_mismatch(run, replayed))]
+    runs = list(trace.runs)
+    samples = {(run.policy, run.request_id): sample for run, sample in overhead_samples(trace, costs)}
+    predicted: dict[tuple[str, int], tuple[float, float]] = {}
+    for request_id in sorted({r.request_id for r in runs}):
+        overhead = fit_overhead([s for (p, rid), s in samples.items() if rid != request_id])
+        for (policy, rid), s in samples.items():
+            if rid == request_id:
+                cost = with_overhead(s.cost, overhead, s.num_rounds, s.adaptive)
+                predicted[policy, rid] = (cost.e2e_s, cost.ttft_s)
+    policies = {}
+    for policy in mismatches:
+        mine = [r for r in runs if r.policy == policy]
+        e2e = [abs(predicted[policy, r.request_id][0] - r.e2e_s) / r.e2e_s for r in mine]
+        ttft = [abs(predicted[policy, r.request_id][1] - r.ttft_s) / r.ttft_s for r in mine]
+        policies[policy] = PolicyFidelity(len(mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]))
+    correlations = []
+    for request_id in sorted({r.request_id for r in runs}):
+        mine = [r for r in runs if r.request_id == request_id]
+        if len(mine) >= 3:
+            rho = spearman([predicted[r.policy, request_id][0] for r in mine], [r.e2e_s for r in mine])
+            if not np.isnan(rho):
+                correlations.append(rho)
+    first = next((m[0] for m in mismatches.values() if m), None)
+    return Fidelity(Path(path).name, SPLIT, policies, float(np.mean(correlations)) if correlations else float("nan"),
+                    len({r.request_id for r in runs}), first)
+
+
+def markdown(fidelity: Fidelity) -> str:
+    lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, overhead fitted {fidelity.split}; "
+             f"action-ranking Spearman {fidelity.spearman:.3f}", "",
+             "| policy | runs | e2e MAPE | TTFT MAPE | round mismatches |", "|---|---|---|---|---|"]
+    for name, p in fidelity.policies.items():
+        lines.append(f"| {name} | {p.num_runs} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | {p.round_mismatches} |")
+    if fidelity.first_mismatch:
+        lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    fidelity = validate(args.trace)
+    print(json.dumps(asdict(fidelity)) if args.json else markdown(fidelity))
+    return 1 if any(p.round_mismatches for p in fidelity.policies.values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m simulator.validate",
+                                description="Compare simulated with measured runs of a trace, per policy. "
+                                            "Exit status 1 if any replayed round differs from the recorded one.")
+    p.add_argument("--trace", type=Path, required=True, help="trace directory with a runs table")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, SessionError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

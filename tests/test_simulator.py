@@ -1,0 +1,160 @@
+"""The simulator: exact replay of every shipped trace's runs, the replay command's output,
+determinism, the store budget, fidelity against measured runs, one-line errors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from profiler.record import main as record
+from simulator.costs import fit_op_costs
+from simulator.crossover import break_even
+from simulator.replay import main as replay_main
+from simulator.schedule import schedule
+from simulator.session import Session, replay_runs, run_mismatch
+from simulator.timing import load_timing
+from simulator.trace import load_trace
+from simulator.validate import main as validate_main, spearman, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_WITH_RUNS = sorted(p for p in (ROOT / "traces").iterdir() if (p / "runs.parquet").is_file()
+                           and load_trace(p).runs and load_trace(p).inputs is not None)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim") / "tiny"
+    assert record(["--workload", "fixture-chat", "--runs-sample", "4", "--runs-max-new-tokens", "12",
+                   "--max-new-tokens", "16", "--out", str(out)]) == 0
+    return out
+
+
+def run_json(capsys, *argv) -> list[dict]:
+    assert replay_main(list(argv)) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("path", SHIPPED_WITH_RUNS, ids=lambda p: p.name)
+def test_every_shipped_run_replays_exactly(path):
+    loaded = load_trace(path)
+    checked = 0
+    for policy in sorted({r.policy for r in loaded.runs}):
+        for run, replayed in replay_runs(loaded, policy):
+            assert run_mismatch(run, replayed) is None
+            assert run.identical_to_ar and replayed.num_output_tokens == run.num_output_tokens
+            checked += 1
+    assert checked == len(loaded.runs) >= 10 * 23
+
+
+def test_json_fields_and_the_same_seed_gives_the_same_numbers(trace, capsys):
+    argv = ["--trace", str(trace), "--policy", "ar,joint-k4,rakv", "--requests", "50", "--seed", "3", "--json"]
+    first, second = run_json(capsys, *argv), run_json(capsys, *argv)
+    assert first == second and [r["policy"] for r in first] == ["ar", "joint-k4", "rakv"]
+    for row in first:
+        for key in ("mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "mean_ttft_s", "tokens_per_s", "hit_rate",
+                    "mean_accepted_per_round", "action_histogram", "regret_vs_oracle"):
+            assert key in row
+        assert row["num_requests"] == 50 and sum(row["action_histogram"].values()) == 50
+        assert row["regret_vs_oracle"] >= 0  # the oracle prices every action, these included
+    assert run_json(capsys, *argv[:-2], "4", "--json") != first
+
+
+def test_tokens_out_equal_the_recorded_tokens(trace):
+    loaded = load_trace(trace)
+    timing = load_timing(trace, loaded)
+    session = Session.for_policy("rakv", timing.decision_inputs(loaded), loaded.target_namespace,
+                                 loaded.draft_namespace)
+    for arrival in schedule(loaded):
+        request = arrival.request
+        assert session.run(request, request.max_new_tokens).num_output_tokens == len(request.output_ids)
+
+
+def test_the_budget_holds_at_every_step(trace):
+    loaded = load_trace(trace)
+    inputs = loaded.require_inputs()
+    budget = 500_000  # a few entries of the tiny pair (2 KiB per token)
+    small = replace(inputs, engine=replace(inputs.engine, store=replace(inputs.engine.store, budget_bytes=budget)))
+    session = Session.for_policy("joint-k4", small, loaded.target_namespace, loaded.draft_namespace)
+    for arrival in schedule(loaded, 200, seed=1):
+        session.run(arrival.request, arrival.request.max_new_tokens)
+        assert session.store.total_bytes <= budget
+    assert session.store.num_evictions > 0
+
+
+def test_table_and_plots(trace, capsys, tmp_path):
+    assert replay_main(["--trace", str(trace), "--plot", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    assert "| rakv |" in out and "| oracle |" in out and "| joint-ngram-k8 |" in out
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["actions.png", "crossover.png", "latency_cdf.png"]
+
+
+def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
+    fidelity = validate(trace)
+    assert fidelity.split == "leave one request out" and fidelity.first_mismatch is None
+    assert len(fidelity.policies) == 23 and all(p.round_mismatches == 0 for p in fidelity.policies.values())
+    assert validate_main(["--trace", str(trace), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["policies"]["rakv"]) >= {"e2e_mape", "ttft_mape", "round_mismatches"} and "spearman" in report
+
+
+def test_spearman_and_break_even():
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert break_even(1.0, 1.0, 1) == pytest.approx(0.0, abs=1e-9)
+    assert break_even(1.5, 1.0, 1) == pytest.approx(0.5)  # E_1(a) = 1 + a
+    assert break_even(3.0, 1.0, 1) is None
+
+
+def test_op_costs_interpolate_the_grid(trace):
+    from rakv.op_timing import OpRow
+    rows = [OpRow("target", "decode", 1, c, 0, 0, i, s) for c, s in ((16, 0.010), (256, 0.012), (1024, 0.020))
+            for i in range(3)]
+    decode = fit_op_costs(load_trace(trace).ops + tuple(rows)).target.decode  # the medians of repeats
+    assert decode(16) == pytest.approx(0.010) and decode(136) == pytest.approx(0.011)
+    assert decode(2048) == pytest.approx(0.020 + 1024 * 0.008 / 768)  # beyond: along the last segment
+    assert decode(0) >= 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "/nonexistent"], "no such trace"),
+    (["--policy", "fastest"], "unknown policy 'fastest'"),
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--arrival-rate", "-1"], "--arrival-rate must be a positive number"),
+    (["--budget-mib", "0"], "--budget-mib must be positive"),
+])
+def test_bad_input_is_one_line_and_exit_2(trace, capsys, argv, message):
+    args = argv if argv[0] == "--trace" else ["--trace", str(trace)] + argv
+    assert replay_main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_mismatched_timing_trace_is_refused(trace, tmp_path, capsys):
+    """A timing trace of the same shapes joins; one of other shapes (here, the same ops
+    relabelled as a wider model) is refused."""
+    import pyarrow.parquet as pq
+    from profiler.schema import TraceMeta
+    data = pq.read_table(trace / "ops.parquet")
+    meta = TraceMeta.from_metadata(data.schema.metadata)
+    for name, hidden in (("same", None), ("wider", 4096)):
+        config = dict(meta.models["target_config"], **({"hidden_size": hidden} if hidden else {}))
+        other = TraceMeta(meta.hardware, dict(meta.models, target_config=config), meta.config)
+        (tmp_path / name).mkdir()
+        pq.write_table(data.replace_schema_metadata(other.to_metadata("ops")), tmp_path / name / "ops.parquet")
+    assert replay_main(["--trace", str(trace), "--timing", str(tmp_path / "same"), "--policy", "rakv"]) == 0
+    capsys.readouterr()
+    assert replay_main(["--trace", str(trace), "--timing", str(tmp_path / "wider")]) == 2
+    err = capsys.readouterr().err
+    assert "timing trace of other model shapes" in err and len(err.strip().splitlines()) == 1
+
+
+def test_command_line_imports_no_torch(trace):
+    code = ("import sys; from simulator.replay import main; main(['--trace', sys.argv[1], '--policy', 'rakv']); "
+            "assert 'torch' not in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code, str(trace)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
