@@ -115,7 +115,7 @@ class CostModelPolicy:
             raise ValueError(
                 f"no action fits the memory limit of {limit} bytes for a "
                 f"{features.num_prompt_tokens}-token prompt")
-        rounds = self._round_costs(self.drafters, max(K_CHOICES), decode_context(features))
+        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
         costs = action_costs_s(actions, features, self.acceptance, self.timings, rounds)
         return [(cost, a.k, a.r, a) for cost, a in zip(costs, actions)]
 
@@ -132,9 +132,9 @@ class CostModelPolicy:
         config = replace(self.config.rounds, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
         return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
-                              self._round_costs(drafters, config.max_k, decode_context(features)), config)
+                              self.round_costs_at(drafters, config.max_k, decode_context(features)), config)
 
-    def _round_costs(self, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
+    def round_costs_at(self, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
         """``round_costs``, computed once per argument set (requests repeat their lengths)."""
         key = (drafters, max_k, num_context)
         if key not in self._round_cost_memo:

@@ -14,7 +14,7 @@ simulator call the same functions.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -52,6 +52,16 @@ def expected_progress(acceptance: float, k: int) -> float:
     if a >= 1.0 - 1e-12:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def progress_by_k(acceptance: float, max_k: int) -> list[float]:
+    """[E_0(a), ..., E_max_k(a)], each bitwise equal to ``expected_progress(a, k)`` (the
+    same expression, computed in one pass: planners evaluate every k on every step)."""
+    a = min(max(acceptance, 0.0), 1.0)
+    if a >= 1.0 - 1e-12:
+        return [float(k + 1) for k in range(max_k + 1)]
+    miss = 1.0 - a
+    return [(1.0 - a ** (k + 1)) / miss for k in range(max_k + 1)]
 
 
 @dataclass(frozen=True)
@@ -110,13 +120,15 @@ class RequestFeatures:
     draft_hit_tokens: int
     exact_repeat: bool  # the whole prompt and its logits are stored
     acceptance: float = 0.0  # the controller's running estimate for the drafter
+    prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)  # [n] int64, for prompt-side features
 
     @classmethod
-    def of(cls, target_match, draft_match, num_new_tokens: int) -> "RequestFeatures":
+    def of(cls, target_match, draft_match, num_new_tokens: int, prompt_ids: np.ndarray | None = None
+           ) -> "RequestFeatures":
         """From the store's ``PrefixMatch`` of the prompt for the target and the draft."""
         return cls(num_prompt_tokens=target_match.num_prompt_tokens, num_new_tokens=num_new_tokens,
                    target_hit_tokens=target_match.hit_tokens, draft_hit_tokens=draft_match.hit_tokens,
-                   exact_repeat=target_match.exact_repeat)
+                   exact_repeat=target_match.exact_repeat, prompt_ids=prompt_ids)
 
 
 def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings) -> int:

@@ -141,7 +141,7 @@ class Engine:
         tokens = as_token_array(prompt)  # converted once for both lookups
         match = self.store.model.match(self.pair.target_fingerprint, tokens)
         draft_match = self.store.model.match(self.pair.draft_fingerprint, tokens)
-        return RequestFeatures.of(match, draft_match, max_new), match, draft_match
+        return RequestFeatures.of(match, draft_match, max_new, tokens), match, draft_match
 
     # -- steps -------------------------------------------------------------------
     def validate(self, prompt_ids, max_new_tokens: int) -> list[int]:

@@ -63,6 +63,7 @@ class Entry:
     payload: object = None
     last_used: int = 0  # logical clock; larger is more recent (tie-break for equal hits)
     keys: list = field(default_factory=list, repr=False)
+    token_bytes: bytes = field(default=b"", repr=False)  # token_ids' int64 bytes, for fast comparison
 
     @property
     def num_tokens(self) -> int:
@@ -115,8 +116,11 @@ class PrefixIndex:
         known = self._digest_memo.get(head.tobytes())
         key = (namespace, known[-1] if known is not None else self._digest(head))
         best: Hit | None = None
+        query_bytes = query.tobytes()
         for entry in self._buckets.get(key, {}).values():
-            q = common_prefix_len(entry.token_ids, query)
+            n = min(entry.num_tokens, len(query)) * 8
+            # equal bytes: the whole of the shorter one is common (the usual hit), found cheaply
+            q = n // 8 if entry.token_bytes[:n] == query_bytes[:n] else common_prefix_len(entry.token_ids, query)
             if q == 0:
                 continue  # digest collision
             if best is None or q > best.num_tokens or (q == best.num_tokens and entry.last_used > best.entry.last_used):
@@ -145,7 +149,7 @@ class PrefixIndex:
         while self.total_bytes + num_bytes > self.budget_bytes:
             self.remove(next(iter(self._lru.values())))
             self.num_evictions += 1
-        entry = Entry(self._next_id, namespace, tokens, int(num_bytes), payload)
+        entry = Entry(self._next_id, namespace, tokens, int(num_bytes), payload, token_bytes=tokens.tobytes())
         self._next_id += 1
         # dict.fromkeys: colliding digests (or a patched constant one) register one key once
         entry.keys = list(dict.fromkeys((namespace, digest) for digest in self._prefix_digests(tokens)))

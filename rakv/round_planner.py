@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from rakv.cost_model import K_CHOICES, PairTimings, expected_progress, round_s
+from rakv.cost_model import K_CHOICES, PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 
 MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts
@@ -162,8 +162,9 @@ class AdaptiveRounds:
             costs = self.costs_s[drafter]
             if a < 1.0 - 1e-12 and (1.0 / (1.0 - max(a, 0.0))) / self._min_cost_s[drafter] <= best_rate * (1 + 1e-9):
                 continue  # E_k(a) < 1 / (1 - a) for every k: no round of this drafter can win (exact)
+            progress = progress_by_k(a, self.config.max_k)
             for k in range(1, self.config.max_k + 1):
-                rate = expected_progress(a, k) / costs[k]
+                rate = progress[k] / costs[k]
                 if rate > best_rate * (1 + 1e-9):
                     best_rate, best = rate, (drafter, k)
         return best

@@ -112,6 +112,7 @@ class OpCosts:
     insert: Curve  # (bytes kept)
     lookup: Curve  # (prompt tokens): one model's match in the store
     ngram: Curve  # (sequence tokens): one prompt-lookup match
+    decode_memo: dict = field(default_factory=dict, compare=False, repr=False)  # request_cost's decode loops
 
 
 def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
@@ -176,26 +177,43 @@ class RequestCost:
 def request_cost(replayed: ReplayedRequest, num_prompt: int, costs: OpCosts, inputs: DecisionInputs,
                  overhead: Overhead = Overhead()) -> RequestCost:
     """What the engine spends on ``replayed`` (see the module docstring)."""
-    n, target, draft = num_prompt, costs.target, costs.draft
-    reuse = replayed.store.reuse
+    n, target = num_prompt, costs.target
+    store = replayed.store
+    reused = store.reuse.reused_tokens
     ttft = costs.lookup(n) * (1 + (inputs.draft_sizes is not None))
-    if reuse.reused_tokens:
-        ttft += costs.clone(reuse.reused_tokens * inputs.target_sizes.kv_bytes_per_token)
-    ttft += target.prefill_s(n - reuse.reused_tokens, reuse.reused_tokens)
+    if reused:
+        ttft += costs.clone(reused * inputs.target_sizes.kv_bytes_per_token)
+    ttft += target.prefill_s(n - reused, reused)
     total = ttft
-    draft_positions = replayed.store.draft_reused_tokens
-    if draft_positions:
-        total += costs.clone(draft_positions * inputs.draft_sizes.kv_bytes_per_token)
-    ngram_ready = NGRAM in replayed.drafters
-    rounds = {r.start: r for r in replayed.rounds}
-    num_output = replayed.num_output_tokens
-    t, iterations = 1, 0
+    if store.draft_reused_tokens:
+        total += costs.clone(store.draft_reused_tokens * inputs.draft_sizes.kv_bytes_per_token)
+    key = (n, replayed.num_output_tokens, replayed.drafters, store.draft_reused_tokens, replayed.rounds)
+    decode = costs.decode_memo.get(key)
+    if decode is None:  # requests repeat in a replay, and so, mostly, do their rounds
+        decode = costs.decode_memo[key] = _decode_s(costs, *key)
+    total += decode[0]
+    if store.kept_tokens:
+        total += costs.insert(store.kept_tokens * inputs.target_sizes.kv_bytes_per_token)
+    if store.kept_draft_tokens:
+        total += costs.insert(store.kept_draft_tokens * inputs.draft_sizes.kv_bytes_per_token)
+    return with_overhead(RequestCost(ttft, total, decode[1], ttft, total), overhead, len(replayed.rounds),
+                         replayed.adaptive)
+
+
+def _decode_s(costs: OpCosts, n: int, num_output: int, drafters: tuple[str, ...], draft_reused: int,
+              rounds: tuple) -> tuple[float, int]:
+    """(seconds, iterations) of the decode loop after the first token."""
+    target, draft = costs.target, costs.draft
+    ngram_ready = NGRAM in drafters
+    by_start = {r.start: r for r in rounds}
+    draft_positions = draft_reused
+    total, t, iterations = 0.0, 1, 0
     while t < num_output:
         length = n + t  # the sequence so far; the target's cache holds all of it but the last token
         iterations += 1
         if ngram_ready:
             total += costs.ngram(length)
-        rnd = rounds.get(t)
+        rnd = by_start.get(t)
         if rnd is None:
             total += target.decode(length - 1)
             t += 1
@@ -212,13 +230,7 @@ def request_cost(replayed: ReplayedRequest, num_prompt: int, costs: OpCosts, inp
         if rnd.drafter == DRAFT_MODEL:
             draft_positions = length + min(rnd.num_proposed, appended) - 1
         t += appended
-    kept = replayed.store
-    if kept.kept_tokens:
-        total += costs.insert(kept.kept_tokens * inputs.target_sizes.kv_bytes_per_token)
-    if kept.kept_draft_tokens:
-        total += costs.insert(kept.kept_draft_tokens * inputs.draft_sizes.kv_bytes_per_token)
-    return with_overhead(RequestCost(ttft, total, iterations, ttft, total), overhead, len(replayed.rounds),
-                         replayed.adaptive)
+    return total, iterations
 
 
 @dataclass(frozen=True)

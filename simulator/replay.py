@@ -31,11 +31,13 @@ from rakv.settings import DecisionInputs
 from simulator.costs import CostModelError, request_cost
 from simulator.oracle import Oracle
 from simulator.schedule import Arrival, ScheduleError, schedule
-from simulator.session import ReplayedRequest, Session, SessionError
+from simulator.session import Session, SessionError
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
+SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "policies"
+LEARNED = "learned"  # learned[=PATH]: a policy directory written by policy.train
 PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
 
 
@@ -54,7 +56,7 @@ class Served:
     num_output_tokens: int
     num_rounds: int
     num_accepted: int
-    action: str  # action_label
+    action: str  # what ran (rakv.choices.Choice)
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,6 @@ class PolicySummary:
     action_histogram: dict[str, int]
 
 
-def action_label(replayed: ReplayedRequest) -> str:
-    """What ran: a fixed (r, drafter, k), or adaptive rounds with the drafters they had."""
-    if replayed.adaptive:
-        return f"(r={replayed.action.r}, adaptive{', draft' if replayed.draft_ready else ''})"
-    return str(replayed.action)
-
-
 def serve(session: Session, arrival: Arrival, start_s: float, timing: Timing) -> Served:
     request = arrival.request
     replayed = session.run(request, request.max_new_tokens)
@@ -88,7 +83,7 @@ def serve(session: Session, arrival: Arrival, start_s: float, timing: Timing) ->
     return Served(request.request_id, arrival.arrival_s, wait_s + cost.ttft_s, wait_s + cost.e2e_s, cost.e2e_s,
                   len(request.prompt_ids), replayed.hit_tokens, replayed.store.reuse.reused_tokens,
                   replayed.num_output_tokens, len(replayed.rounds), sum(r.accepted for r in replayed.rounds),
-                  action_label(replayed))
+                  str(replayed.choice))
 
 
 def simulate(arrivals: list[Arrival], session: Session, timing: Timing, progress=None) -> list[Served]:
@@ -136,21 +131,33 @@ def policy_names(spec: str, inputs: DecisionInputs) -> list[str]:
     known = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
     names = known if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name not in known:
+        if name not in known and not name.split("=")[0] == LEARNED:
             if name != "oracle":
                 make_policy(name, inputs.timings)  # the one-line error naming the choices
             raise ValueError(f"policy {name!r} needs a draft model; the trace's pair has none")
     return names
 
 
-def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing) -> Session:
+def learned_path(name: str, trace: Trace) -> Path:
+    """``learned=PATH``'s path, or for ``learned`` the shipped policy of the trace's pair."""
+    if "=" in name:
+        return Path(name.split("=", 1)[1])
+    return SHIPPED_POLICIES / str(trace.meta.models.get("pair"))
+
+
+def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing, strict: bool = False) -> Session:
     if name == "oracle":
         return Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
+    if name.split("=")[0] == LEARNED:
+        from policy.learned import learned_or_fallback
+        policy = learned_or_fallback(learned_path(name, trace), inputs.timings, trace.target_namespace,
+                                     trace.draft_namespace, strict)
+        return Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
     return Session.for_policy(name, inputs, trace.target_namespace, trace.draft_namespace)
 
 
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
-           budget_bytes: int | None = None) -> dict[str, tuple[PolicySummary, list[Served]]]:
+           budget_bytes: int | None = None, strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
     """Every named policy over the same arrivals (the oracle's regret baseline included)."""
     inputs = timing.decision_inputs(trace)
     if budget_bytes is not None:
@@ -165,7 +172,7 @@ def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arriva
     results = {}
     oracle_s = None
     for name in order:
-        served = simulate(arrivals, make_session(name, trace, inputs, timing), timing, progress)
+        served = simulate(arrivals, make_session(name, trace, inputs, timing, strict), timing, progress)
         summary = summarize(name, served, oracle_s)
         if name == "oracle":
             oracle_s = summary.total_service_s
@@ -198,7 +205,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"acceptance trace directory (default: {DEFAULT_TRACE.relative_to(DEFAULT_TRACE.parents[1])})")
     p.add_argument("--timing", type=Path, default=None,
                    help="timing trace of the same model shapes, perhaps another machine's (default: the trace's own ops)")
-    p.add_argument("--policy", default="all", help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle")
+    p.add_argument("--policy", default="all",
+                   help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle, learned[=PATH] "
+                        "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
+    p.add_argument("--strict", action="store_true",
+                   help="a learned policy trained for other models is an error, not a fallback to rakv")
     p.add_argument("--budget-mib", type=float, default=None, help="prefix store budget (default: the recorded one)")
     p.add_argument("--arrival-rate", type=float, default=None,
                    help="Poisson arrivals per second (default: the recorded arrival times)")
@@ -218,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     names = policy_names(args.policy, timing.decision_inputs(trace))
     arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
-    results = replay(trace, timing, names, arrivals, budget)
+    results = replay(trace, timing, names, arrivals, budget, args.strict)
     summaries = [summary for summary, _ in results.values()]
     if args.json:
         for summary in summaries:
@@ -234,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(run, parse_args(argv),
-                   (ValueError, TraceError, CostModelError, ScheduleError, SessionError, OSError))
+                   (ValueError, TraceError, CostModelError, ScheduleError, SessionError, OSError))  # PolicyFileError: a ValueError
 
 
 if __name__ == "__main__":

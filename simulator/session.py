@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from rakv.acceptance import ReplayedRound, replay_request
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL
+from rakv.choices import Choice
+from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.round_planner import AdaptiveRounds, FixedRounds
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
@@ -44,6 +45,13 @@ class ReplayedRequest:
     @property
     def draft_ready(self) -> bool:
         return DRAFT_MODEL in self.drafters
+
+    @property
+    def choice(self) -> Choice:
+        """What ran, as a request-level choice."""
+        if self.adaptive:
+            return Choice(self.action.r, True, DRAFT_MODEL if self.draft_ready else NGRAM, 0)
+        return Choice(self.action.r, False, self.action.drafter, self.action.k)
 
 
 class SessionError(ValueError):
@@ -76,7 +84,7 @@ class Session:
         max_new = min(max_new_tokens, self.inputs.max_positions - n)
         target = self.store.match(self.target_namespace, prompt)
         draft = self.store.match(self.draft_namespace, prompt)
-        features = RequestFeatures.of(target, draft, max_new)
+        features = RequestFeatures.of(target, draft, max_new, prompt)
         estimates = tuple(sorted(getattr(self.policy, "acceptance", {}).items()))
         action, planner, rounds = self.decide(request, features, target, draft)
         draft_ready = DRAFT_MODEL in planner.drafters

@@ -37,6 +37,8 @@ class PolicyFidelity:
     e2e_mape: float  # fraction: 0.05 is 5 %
     ttft_mape: float
     round_mismatches: int  # runs whose replay differs from the recording in any way (run_mismatch)
+    num_rounds: int
+    rounds_off_min_k_mt: int  # recorded rounds whose (proposed, accepted) are not min(k, proposal_t), min(k, m_t)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,17 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def rounds_off_min_k_mt(run, request) -> int:
+    """How many of a run's recorded rounds did not accept min(k, m_t) and propose
+    min(k, proposal length at t) of their drafter (section 2 of the design: none may)."""
+    off = 0
+    for start, drafter, k, proposed, accepted in zip(run.start_per_round, run.drafter_per_round, run.k_per_round,
+                                                     run.proposed_per_round, run.accepted_per_round):
+        at = request.lengths[drafter]
+        off += (proposed, accepted) != (min(k, at.proposed[start]), min(k, at.runs[start]))
+    return off
+
+
 def validate(path: str | Path) -> Fidelity:
     trace = load_trace(path)
     if not trace.runs:
@@ -88,7 +101,9 @@ def validate(path: str | Path) -> Fidelity:
         mine = [r for r in runs if r.policy == policy]
         e2e = [abs(predicted[policy, r.request_id][0] - r.e2e_s) / r.e2e_s for r in mine]
         ttft = [abs(predicted[policy, r.request_id][1] - r.ttft_s) / r.ttft_s for r in mine]
-        policies[policy] = PolicyFidelity(len(mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]))
+        policies[policy] = PolicyFidelity(len(mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]),
+                                          sum(r.num_rounds for r in mine),
+                                          sum(rounds_off_min_k_mt(r, trace.by_id[r.request_id]) for r in mine))
     correlations = []
     for request_id in sorted({r.request_id for r in runs}):
         mine = [r for r in runs if r.request_id == request_id]
@@ -104,9 +119,11 @@ def validate(path: str | Path) -> Fidelity:
 def markdown(fidelity: Fidelity) -> str:
     lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, overhead fitted {fidelity.split}; "
              f"action-ranking Spearman {fidelity.spearman:.3f}", "",
-             "| policy | runs | e2e MAPE | TTFT MAPE | round mismatches |", "|---|---|---|---|---|"]
+             "| policy | runs | e2e MAPE | TTFT MAPE | replay mismatches | rounds | rounds off min(k, m_t) |",
+             "|---|---|---|---|---|---|---|"]
     for name, p in fidelity.policies.items():
-        lines.append(f"| {name} | {p.num_runs} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | {p.round_mismatches} |")
+        lines.append(f"| {name} | {p.num_runs} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | "
+                     f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
     if fidelity.first_mismatch:
         lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
     return "\n".join(lines)
@@ -115,7 +132,7 @@ def markdown(fidelity: Fidelity) -> str:
 def run(args: argparse.Namespace) -> int:
     fidelity = validate(args.trace)
     print(json.dumps(asdict(fidelity)) if args.json else markdown(fidelity))
-    return 1 if any(p.round_mismatches for p in fidelity.policies.values()) else 0
+    return 1 if any(p.round_mismatches or p.rounds_off_min_k_mt for p in fidelity.policies.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

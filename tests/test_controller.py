@@ -11,7 +11,8 @@ from rakv.acceptance import replay_request, run_lengths
 from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome, fixed_action, make_policy
 from rakv.drafters import RunLengths
 from rakv.round_planner import AcceptanceCount, FixedRounds, PlannerConfig
-from rakv.cost_model import Action, ModelTimings, PairTimings, RequestFeatures, action_bytes, expected_progress
+from rakv.cost_model import (Action, ModelTimings, PairTimings, RequestFeatures, action_bytes, expected_progress,
+                             progress_by_k)
 
 
 def timings(draft_step_s: float, prior: float = 0.5, ngram_prior: float = 0.0) -> PairTimings:
@@ -28,6 +29,11 @@ def timings(draft_step_s: float, prior: float = 0.5, ngram_prior: float = 0.0) -
 def features(hit=0, exact=False, n=200, new=64) -> RequestFeatures:
     return RequestFeatures(num_prompt_tokens=n, num_new_tokens=new, target_hit_tokens=hit,
                            draft_hit_tokens=hit, exact_repeat=exact, acceptance=0.0)
+
+
+def test_progress_by_k_is_expected_progress_bit_for_bit():
+    for a in [i / 97 for i in range(-3, 101)] + [1 - 1e-13, 0.9999999]:
+        assert progress_by_k(a, 32) == [expected_progress(a, k) for k in range(33)]
 
 
 def test_expected_progress():

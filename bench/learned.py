@@ -1,0 +1,107 @@
+"""The learned policy against the analytic ``rakv`` controller: the cost of one decision,
+and live speed on the CPU.
+
+    python -m bench.learned --policy policies/smollm2                # smollm2, chat workload (20 requests)
+    python -m bench.learned --policy policies/smollm2 --decide-only  # the decision time alone
+
+- Decision: one ``decide`` (features of every choice, one ``Booster.predict`` call),
+  timed over the requests of a trace the policy was trained on; goal at most 100 us.
+- Live: both policies run the workload through their own engines in lockstep (each
+  request under both before the next), 1 torch thread; tokens per second of each, and
+  whether every output is identical (both are greedy). Goal: learned at least as fast.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+GOAL_DECIDE_US = 100.0
+
+
+def decide_us(policy_path: Path, trace_path: Path) -> float:
+    """Median microseconds of one decision, over the trace's requests as the simulator
+    presents them."""
+    from policy.learned import LearnedPolicy, load_policy
+    from rakv.cost_model import RequestFeatures
+    from rakv.store_model import PrefixMatch
+    from simulator.trace import load_trace
+    trace = load_trace(trace_path)
+    policy = LearnedPolicy(load_policy(policy_path), trace.require_inputs().timings)
+    times = []
+    for request in trace.requests * 5:
+        n = len(request.prompt_ids)
+        match = PrefixMatch(None, n, 0, False)
+        features = RequestFeatures.of(match, match, request.max_new_tokens, request.token_ids[:n])
+        start = time.perf_counter()
+        policy.decide(features)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, max_new_tokens: int) -> dict:
+    import torch
+    torch.set_num_threads(1)
+    from policy.learned import learned_or_fallback
+    from profiler.workloads import load_workload
+    from rakv.calibrate import load_or_calibrate
+    from rakv.controller import make_policy
+    from rakv.engine import Engine
+    from rakv.models import load_pair
+    pair = load_pair(pair_name)
+    timings = load_or_calibrate(pair)
+    engines = {"rakv": Engine(pair, make_policy("rakv", timings)),
+               "learned": Engine(pair, learned_or_fallback(policy_path, timings, pair.target_fingerprint,
+                                                           pair.draft_fingerprint, strict=True))}
+    tokens = {name: 0 for name in engines}
+    seconds = {name: 0.0 for name in engines}
+    outputs: dict[int, list] = {}
+    mismatches = 0
+    requests = load_workload(workload, num_requests).requests
+    for request in requests:
+        prompt = None
+        for name, engine in engines.items():
+            if prompt is None:
+                if request.continues is not None:
+                    earlier_prompt, earlier_output = outputs[request.continues]
+                    prompt = earlier_prompt + earlier_output + pair.encode_continuation(request.prompt)
+                else:
+                    prompt = pair.encode(request.prompt)
+            result = engine.generate(prompt, max_new_tokens)
+            tokens[name] += len(result.output_ids)
+            seconds[name] += result.e2e_s
+            if request.request_id in outputs and name != "rakv":
+                mismatches += list(result.output_ids) != outputs[request.request_id][1]
+            outputs.setdefault(request.request_id, (prompt, list(result.output_ids)))
+        print(f"  request {request.request_id}: " + ", ".join(f"{n} {tokens[n] / seconds[n]:.2f} tok/s" for n in engines),
+              file=sys.stderr)
+    return {"tokens_per_s": {n: tokens[n] / seconds[n] for n in engines}, "mismatches": mismatches,
+            "num_requests": len(requests)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.learned", description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", type=Path, required=True)
+    p.add_argument("--trace", type=Path, default=Path("traces/smollm2-chat"), help="requests to time decisions on")
+    p.add_argument("--pair", default="smollm2")
+    p.add_argument("--workload", default="chat")
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--decide-only", action="store_true")
+    args = p.parse_args(argv)
+    us = decide_us(args.policy, args.trace)
+    print(f"one decision: {us:.1f} us (median; goal {GOAL_DECIDE_US:.0f})")
+    if not args.decide_only:
+        result = live(args.policy, args.pair, args.workload, args.requests, args.max_new_tokens)
+        speeds = result["tokens_per_s"]
+        print(f"live, {result['num_requests']} requests of {args.workload}, {args.max_new_tokens} new tokens: "
+              + ", ".join(f"{n} {v:.2f} tok/s" for n, v in speeds.items())
+              + f"; learned / rakv = {speeds['learned'] / speeds['rakv']:.3f}; output mismatches {result['mismatches']}")
+        return 1 if result["mismatches"] else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The learned policy's features: one row per (request, choice), all known before the
+request runs. Imports no torch.
+
+Per request: prompt, hit and reusable lengths, whether it is an exact repeat, the
+decode context; the ``rakv`` policy's running acceptance estimates (per drafter, and per
+prompt-lookup signal); how repetitive the prompt is (the share of its 2- and 3-grams seen
+earlier in it: prompt lookup's acceptance follows it); the hardware's timing (a step, the
+draft's step and the verification jump, relative). Per choice: r, k, the drafter,
+adaptive or not, and the analytic cost model's price of it (for an adaptive choice, the
+cheapest fixed action it could run), absolute and relative to plain decoding: the
+analytic ``rakv`` cost model is a feature, as it is the fallback.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rakv.choices import Choice
+from rakv.controller import CostModelPolicy
+from rakv.cost_model import K_CHOICES, RequestFeatures, action_costs_s, decode_context
+from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
+from rakv.store_model import reused_positions
+
+REQUEST_FEATURES = (
+    "num_prompt_tokens", "num_new_tokens", "target_hit_tokens", "draft_hit_tokens", "reusable_tokens",
+    "hit_fraction", "exact_repeat", "decode_context", "estimate_draft", "estimate_ngram",
+    "estimate_ngram_signal_1", "estimate_ngram_signal_2", "estimate_ngram_signal_3",
+    "prompt_repeat_2gram", "prompt_repeat_3gram", "log_step_s", "draft_step_ratio", "verify_jump_ratio")
+CHOICE_FEATURES = ("r", "k", "draft_model", "adaptive", "log_analytic_s", "analytic_vs_plain")
+FEATURES = REQUEST_FEATURES + CHOICE_FEATURES
+ANALYTIC_COLUMN = FEATURES.index("log_analytic_s")
+
+
+def repeat_share(prompt_ids: np.ndarray, n: int) -> float:
+    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it."""
+    count = len(prompt_ids) - n + 1
+    if count <= 1:
+        return 0.0
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    shift = 63 // n  # each id in its own bits: n-grams of ids below 2^21 (every tokenizer's) code uniquely
+    codes = ids[:count] << (shift * (n - 1))
+    for j in range(1, n):
+        codes = codes | (ids[j:count + j] << (shift * (n - 1 - j)))
+    return 1.0 - len(np.unique(codes)) / count
+
+
+class _Layout:
+    """What ``feature_rows`` precomputes once per choice list: the choice columns, the
+    fixed choices the analytic model prices, and, per adaptive choice, the fixed choices
+    it could run (k = 0, and rounds of the drafters it has ready)."""
+
+    def __init__(self, choices: tuple[Choice, ...]):
+        self.choice_columns = np.array([(c.r, c.k, float(c.drafter == DRAFT_MODEL), float(c.adaptive))
+                                        for c in choices])  # [choices, 4]
+        self.fixed = [i for i, c in enumerate(choices) if not c.adaptive]
+        self.actions = [choices[i].action for i in self.fixed]
+        self.pools = {}
+        for i, c in enumerate(choices):
+            if c.adaptive:
+                usable = (NGRAM, DRAFT_MODEL) if c.drafter == DRAFT_MODEL else (NGRAM,)
+                self.pools[i] = [j for j in self.fixed if choices[j].r == c.r
+                                 and (choices[j].k == 0 or choices[j].drafter in usable)]
+        self.plain = np.array([next(j for j in self.fixed if choices[j].r == c.r and choices[j].k == 0)
+                               for c in choices])  # per choice: the plain-decoding choice of its r
+
+
+_LAYOUTS: dict[tuple[Choice, ...], _Layout] = {}
+
+
+def feature_rows(features: RequestFeatures, policy: CostModelPolicy, choices: tuple[Choice, ...]) -> np.ndarray:
+    """[len(choices), len(FEATURES)] float64, in ``FEATURES`` order (``features.prompt_ids``
+    must be set)."""
+    layout = _LAYOUTS.get(choices) or _LAYOUTS.setdefault(choices, _Layout(choices))
+    timings = policy.timings
+    n, hit = features.num_prompt_tokens, features.target_hit_tokens
+    context = decode_context(features)
+    estimates = policy.acceptance
+    signal = [policy.signal_acceptance.get((NGRAM, s), ngram_prior(s)) for s in (1, 2, 3)]
+    step_s = timings.target.step_s(context)
+    draft_ratio = timings.draft.step_s(context) / step_s if timings.draft is not None else 0.0
+    request = [n, features.num_new_tokens, hit, features.draft_hit_tokens,
+               reused_positions(n, hit, features.exact_repeat), hit / n, float(features.exact_repeat), context,
+               estimates.get(DRAFT_MODEL, 0.0), estimates.get(NGRAM, 0.0), *signal,
+               repeat_share(features.prompt_ids, 2), repeat_share(features.prompt_ids, 3), math.log(step_s),
+               draft_ratio, timings.target.verify_fixed_s / step_s]
+    # the analytic price of each choice; an adaptive one costs what its cheapest fixed action would
+    analytic = np.empty(len(choices))
+    rounds = policy.round_costs_at(policy.drafters, max(K_CHOICES), context)
+    analytic[layout.fixed] = action_costs_s(layout.actions, features, policy.acceptance, timings, rounds)
+    for i, pool in layout.pools.items():
+        analytic[i] = analytic[pool].min()
+    rows = np.empty((len(choices), len(FEATURES)))
+    rows[:, :len(REQUEST_FEATURES)] = request
+    rows[:, len(REQUEST_FEATURES):len(REQUEST_FEATURES) + 4] = layout.choice_columns
+    rows[:, -2] = np.log(analytic)
+    rows[:, -1] = analytic / analytic[layout.plain]
+    return rows
