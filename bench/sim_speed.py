@@ -6,8 +6,9 @@ and the peak memory of the process.
     python -m bench.sim_speed --trace traces/smollm2-chat --requests 2000 --json
 
 Goals (issue: the simulator): at least 10,000 requests/s for every policy, ``rakv``
-included (the oracle, which replays all 26 of its actions for every request, is
-reported beside them); fit in at most 30 s; at most 300 MB. Each policy is timed over
+included (the oracle, which replays all 26 of its actions for every request, and the
+learned policy, when one is shipped for the trace's pair, are reported beside them); fit
+in at most 30 s; at most 300 MB. Each policy is timed over
 the same resampled arrivals, one after another, in this process.
 """
 from __future__ import annotations
@@ -34,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     start = time.perf_counter()
-    from rakv.controller import fixed_policy_names
-    from simulator.replay import make_session, simulate
+    from simulator.replay import make_session, policy_names, simulate
     from simulator.schedule import schedule
     from simulator.timing import load_timing
     from simulator.trace import load_trace
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     fit_s = time.perf_counter() - start
     inputs = timing.decision_inputs(trace)
 
-    names = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
+    names = policy_names("all", trace, inputs)  # the fixed policies, rakv, learned if shipped, the oracle
     rates = {}
     for name in names:
         arrivals = schedule(trace, args.oracle_requests if name == "oracle" else args.requests, None, seed=0)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        slowest = min((r, n) for n, r in rates.items() if n != "oracle")
+        slowest = min((r, n) for n, r in rates.items() if n not in ("oracle", "learned"))
         print(f"{args.trace.name}, {args.requests} resampled requests: slowest policy {slowest[1]} at "
               f"{slowest[0]:.0f} requests/s (goal {GOAL_REQUESTS_PER_S}); oracle {rates['oracle']:.0f} requests/s; "
               f"fit {fit_s:.2f} s (goal {GOAL_FIT_S:.0f}); peak RSS {peak_rss_mb:.0f} MB (goal {GOAL_PEAK_RSS_MB:.0f})")

@@ -17,10 +17,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from policy.features import FEATURES, adaptive_choice, feature_rows
 from rakv.choices import Choice
 from rakv.controller import ControllerConfig, fixed_action
-from rakv.drafters import DRAFT_MODEL, NGRAM
-from policy.features import FEATURES, feature_rows
 from simulator.oracle import Oracle
 from simulator.schedule import schedule
 from simulator.session import replay_runs
@@ -47,10 +46,12 @@ class Group:
         return int(np.argmin(self.cost_s))
 
 
-def build_groups(trace: Trace, timing: Timing, controller: ControllerConfig | None = None) -> list[Group]:
-    """The trace's requests in recorded order, served by the oracle (see the module
-    docstring); ``controller`` replaces the recorded controller settings (EWMA decay,
-    planner margin)."""
+def build_groups(trace: Trace, timing: Timing, controller: ControllerConfig | None = None,
+                 resample: int | None = None, seed: int = 0) -> list[Group]:
+    """The trace's requests in recorded order (or ``resample`` of them drawn with their
+    prefix families: more store and estimate states to learn from), served by the oracle
+    (see the module docstring); ``controller`` replaces the recorded controller settings
+    (EWMA decay, planner margin)."""
     inputs = timing.decision_inputs(trace)
     if controller is not None:
         inputs = replace(inputs, controller=controller)
@@ -60,13 +61,11 @@ def build_groups(trace: Trace, timing: Timing, controller: ControllerConfig | No
 
     def features_now(request, features):
         pending["rows"] = feature_rows(features, oracle.policy.adaptive, oracle.choices)
-        action = oracle.policy.adaptive.decide(features)
-        ready = DRAFT_MODEL if action.k and action.drafter == DRAFT_MODEL else NGRAM
-        pending["analytic"] = oracle.choices.index(Choice(action.r, True, ready, 0))
+        pending["analytic"] = oracle.choices.index(adaptive_choice(oracle.policy.adaptive.decide(features)))
 
     oracle.before_pricing = features_now
     groups = []
-    for arrival in schedule(trace):
+    for arrival in schedule(trace, resample, seed=seed):
         request = arrival.request
         oracle.run(request, request.max_new_tokens)
         costs, from_run = [], []

@@ -4,8 +4,8 @@ the analytic ``rakv`` controller, the best fixed policy and the oracle.
     python -m policy.evaluate --policy policies/smollm2 --trace traces/smollm2-chat [--json]
 
 The trace's requests are labelled as in training (``policy.dataset``, with the policy's
-controller settings) and those of the families the policy's sidecar names as its test
-split are scored: Spearman between predicted and true cost rankings, mean and 95th
+controller settings and resampling) and those of the families the policy's sidecar names
+as its test split are scored: Spearman between predicted and true cost rankings, mean and 95th
 percentile regret, k-accuracy, choice accuracy and the MAPE of predicted costs
 (``policy.model.metrics``). Imports no torch.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.dataset import build_groups
 from policy.learned import PolicyFileError, load_policy
 from policy.model import Metrics, analytic_scores, fixed_scores, metrics, model_scores
+from policy.train import groups_of
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from simulator.costs import CostModelError
@@ -34,8 +34,10 @@ def evaluate(policy_path: Path, trace_path: Path, timing_path: Path | None = Non
     policy = load_policy(policy_path)
     trace = load_trace(trace_path)
     timing = load_timing(timing_path or trace_path, trace)
-    test_families = set(policy.sidecar["split"]["test_families"])
-    groups = [g for g in build_groups(trace, timing, policy.controller) if g.family in test_families]
+    split = policy.sidecar["split"]
+    test_families = set(split["test_families"])
+    groups = [g for g in groups_of(trace, timing, policy.controller, split["resample"], split["seed"])
+              if g.family in test_families]
     if not groups:
         raise PolicyFileError(f"{policy_path}: none of its test requests is in {trace_path} "
                               f"(it was trained on {', '.join(policy.sidecar['split']['traces'])})")

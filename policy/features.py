@@ -3,7 +3,7 @@ request runs. Imports no torch.
 
 Per request: prompt, hit and reusable lengths, whether it is an exact repeat, the
 decode context; the ``rakv`` policy's running acceptance estimates (per drafter, and per
-prompt-lookup signal); how repetitive the prompt is (the share of its 2- and 3-grams seen
+prompt-lookup signal); how repetitive the prompt is (the share of its 3-grams seen
 earlier in it: prompt lookup's acceptance follows it); the hardware's timing (a step, the
 draft's step and the verification jump, relative). Per choice: r, k, the drafter,
 adaptive or not, and the analytic cost model's price of it (for an adaptive choice, the
@@ -18,7 +18,7 @@ import numpy as np
 
 from rakv.choices import Choice
 from rakv.controller import CostModelPolicy
-from rakv.cost_model import K_CHOICES, RequestFeatures, action_costs_s, decode_context
+from rakv.cost_model import Action, RequestFeatures, decode_context
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 from rakv.store_model import reused_positions
 
@@ -26,8 +26,8 @@ REQUEST_FEATURES = (
     "num_prompt_tokens", "num_new_tokens", "target_hit_tokens", "draft_hit_tokens", "reusable_tokens",
     "hit_fraction", "exact_repeat", "decode_context", "estimate_draft", "estimate_ngram",
     "estimate_ngram_signal_1", "estimate_ngram_signal_2", "estimate_ngram_signal_3",
-    "prompt_repeat_2gram", "prompt_repeat_3gram", "log_step_s", "draft_step_ratio", "verify_jump_ratio")
-CHOICE_FEATURES = ("r", "k", "draft_model", "adaptive", "log_analytic_s", "analytic_vs_plain")
+    "prompt_repeat_3gram", "log_step_s", "draft_step_ratio", "verify_jump_ratio")
+CHOICE_FEATURES = ("r", "k", "draft_model", "adaptive", "rakv_choice", "log_analytic_s", "analytic_vs_plain")
 FEATURES = REQUEST_FEATURES + CHOICE_FEATURES
 ANALYTIC_COLUMN = FEATURES.index("log_analytic_s")
 
@@ -63,6 +63,7 @@ class _Layout:
                                  and (choices[j].k == 0 or choices[j].drafter in usable)]
         self.plain = np.array([next(j for j in self.fixed if choices[j].r == c.r and choices[j].k == 0)
                                for c in choices])  # per choice: the plain-decoding choice of its r
+        self.adaptive_index = {c: i for i, c in enumerate(choices) if c.adaptive}
 
 
 _LAYOUTS: dict[tuple[Choice, ...], _Layout] = {}
@@ -82,17 +83,27 @@ def feature_rows(features: RequestFeatures, policy: CostModelPolicy, choices: tu
     request = [n, features.num_new_tokens, hit, features.draft_hit_tokens,
                reused_positions(n, hit, features.exact_repeat), hit / n, float(features.exact_repeat), context,
                estimates.get(DRAFT_MODEL, 0.0), estimates.get(NGRAM, 0.0), *signal,
-               repeat_share(features.prompt_ids, 2), repeat_share(features.prompt_ids, 3), math.log(step_s),
+               repeat_share(features.prompt_ids, 3), math.log(step_s),
                draft_ratio, timings.target.verify_fixed_s / step_s]
-    # the analytic price of each choice; an adaptive one costs what its cheapest fixed action would
+    # the analytic price of each choice (rakv's own pricing: an action over the memory limit
+    # has none); an adaptive one costs what its cheapest fixed action would
+    priced = policy.priced(features)
+    cost_of = {action: cost for cost, _, _, action in priced}
     analytic = np.empty(len(choices))
-    rounds = policy.round_costs_at(policy.drafters, max(K_CHOICES), context)
-    analytic[layout.fixed] = action_costs_s(layout.actions, features, policy.acceptance, timings, rounds)
+    analytic[layout.fixed] = [cost_of.get(action, np.inf) for action in layout.actions]
     for i, pool in layout.pools.items():
         analytic[i] = analytic[pool].min()
     rows = np.empty((len(choices), len(FEATURES)))
     rows[:, :len(REQUEST_FEATURES)] = request
     rows[:, len(REQUEST_FEATURES):len(REQUEST_FEATURES) + 4] = layout.choice_columns
+    rows[:, -3] = 0.0
+    rows[layout.adaptive_index[adaptive_choice(min(priced)[3])], -3] = 1.0  # what rakv itself would run
     rows[:, -2] = np.log(analytic)
     rows[:, -1] = analytic / analytic[layout.plain]
     return rows
+
+
+def adaptive_choice(action: Action) -> Choice:
+    """The choice the analytic ``rakv`` policy makes with ``action``: adaptive rounds, with
+    the draft model readied if the action uses it."""
+    return Choice(action.r, True, DRAFT_MODEL if action.k and action.drafter == DRAFT_MODEL else NGRAM, 0)

@@ -28,8 +28,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from profiler.hardware import hardware_fingerprint
 from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
-                             TraceMeta, hardware_fingerprint, table_to_rows)
+                             TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import run_cli

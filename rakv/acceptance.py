@@ -53,21 +53,25 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     if not planner.drafters:
         return rounds  # plain steps only, and nothing to observe
     signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
+    shadows = [(d, lengths[d]) for d in planner.shadowed]
+    plan, observe = planner.plan, planner.observe  # called on every step
+    signals: dict[str, int] = {}
     t = 1
     while t < num_output:
-        drafter, k = planner.plan({d: signals[t] for d, signals in signal_lists})
+        for d, by_position in signal_lists:
+            signals[d] = by_position[t]
+        drafter, k = plan(signals)
         k = round_draft_length(k, t, max_new_tokens)
         appended = 1
         if k > 0:
             at = lengths[drafter]
             rnd = ReplayedRound(t, drafter, k, min(k, at.proposed[t]), min(k, at.runs[t]))
             rounds.append(rnd)
-            planner.observe(drafter, at.signals[t], rnd.num_proposed, rnd.accepted)
+            observe(drafter, at.signals[t], rnd.num_proposed, rnd.accepted)
             appended = min(rnd.accepted + 1, num_output - t)
-        for shadow in planner.shadowed:
+        for shadow, at in shadows:
             if k == 0 or shadow != drafter:
-                at = lengths[shadow]
                 checked = min(at.proposed[t], SHADOW_LENGTH, appended)
-                planner.observe(shadow, at.signals[t], checked, min(at.runs[t], checked))
+                observe(shadow, at.signals[t], checked, min(at.runs[t], checked))
         t += appended
     return rounds

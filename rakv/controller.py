@@ -101,14 +101,15 @@ class CostModelPolicy:
             Action(r, k, d) for d in drafters for k in K_CHOICES[1:] for r in (0, 1))
 
     def decide(self, features: RequestFeatures) -> Action:
-        return min(self._priced(features))[3]  # rank's first, without sorting the rest
+        return min(self.priced(features))[3]  # rank's first, without sorting the rest
 
     def rank(self, features: RequestFeatures) -> list[tuple[float, Action]]:
         """Feasible actions with their predicted seconds, cheapest first (ties: fewer draft
         tokens, then no reuse)."""
-        return [(cost, action) for cost, _, _, action in sorted(self._priced(features))]
+        return [(cost, action) for cost, _, _, action in sorted(self.priced(features))]
 
-    def _priced(self, features: RequestFeatures) -> list[tuple[float, int, int, Action]]:
+    def priced(self, features: RequestFeatures) -> list[tuple[float, int, int, Action]]:
+        """(predicted seconds, k, r, action) of every feasible action: the least is chosen."""
         limit = self.config.memory_limit_bytes
         actions = [a for a in self.actions if limit is None or action_bytes(a, features, self.timings) <= limit]
         if not actions:

@@ -184,7 +184,7 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
             start_s[r, True] = (start_s[r, False] + timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
                                 + draft.prefill_s(n + 1 - draft_reused, draft_reused))
     costs = []
-    progress: dict[tuple[str, int], float] = {}  # E_k of each (drafter, k): r = 0 and 1 share it
+    progress: dict[str, list[float]] = {}  # per drafter, E_k for every k: actions share them
     for action in actions:
         if rounds is None:
             per_round_s = round_s(timings, action.drafter, action.k, context)
@@ -193,10 +193,9 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
         if action.k == 0:
             costs.append(start_s[action.r, False] + remaining * per_round_s)
             continue
-        key = (action.drafter, action.k)
-        if key not in progress:
-            progress[key] = expected_progress(acceptance.get(action.drafter, 0.0), action.k)
-        num_rounds = remaining / progress[key]
+        if action.drafter not in progress:
+            progress[action.drafter] = progress_by_k(acceptance.get(action.drafter, 0.0), max(K_CHOICES))
+        num_rounds = remaining / progress[action.drafter][action.k]
         costs.append(start_s[action.r, action.drafter == DRAFT_MODEL] + num_rounds * per_round_s)
     return costs
 

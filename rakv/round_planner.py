@@ -145,6 +145,8 @@ class AdaptiveRounds:
         self.step_s = costs.step_s
         # per drafter: its cheapest round, which bounds its best rate (see plan)
         self._min_cost_s = {d: min(self.costs_s[d][1:config.max_k + 1]) for d in drafters}
+        self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
+        self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
@@ -153,12 +155,11 @@ class AdaptiveRounds:
         return initial_estimate(drafter, signal, self.fallback[drafter])
 
     def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
-        best_rate = (1.0 + self.config.min_gain) / self.step_s
-        best = (self.drafters[0] if self.drafters else DRAFT_MODEL, 0)
+        best_rate, best = self._plain_rate, self._plain
         for drafter in self.drafters:
             a = self.acceptance.get((drafter, signals[drafter]))
-            if a is None:
-                a = self.estimate(drafter, signals[drafter])
+            if a is None:  # kept: the same value ``estimate`` would give on every later call
+                a = self.acceptance[drafter, signals[drafter]] = self.estimate(drafter, signals[drafter])
             costs = self.costs_s[drafter]
             if a < 1.0 - 1e-12 and (1.0 / (1.0 - max(a, 0.0))) / self._min_cost_s[drafter] <= best_rate * (1 + 1e-9):
                 continue  # E_k(a) < 1 / (1 - a) for every k: no round of this drafter can win (exact)

@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
              "| RAKV | RAKV latency vs Joint-k4 | RAKV throughput vs Joint-k4 | RAKV latency vs KV-only |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, timing_name in SHIPPED:
-        if not (TRACES / name).is_dir():
-            print(f"skipping {name}: not in {TRACES}", file=sys.stderr)
+        missing = [n for n in (name, timing_name) if n and not (TRACES / n).is_dir()]
+        if missing:
+            print(f"skipping {name}: {missing[0]} is not in {TRACES}", file=sys.stderr)
             continue
         lines.append(row(name, timing_name))
     lines.append(f"| paper (Joint-k4 and KV-only baselines) | | | | | | | | | {100 * PAPER['latency_vs_joint']:+.1f}% "

@@ -126,10 +126,13 @@ def summarize(policy: str, served: list[Served], oracle_service_s: float | None)
         action_histogram=dict(Counter(s.action for s in served).most_common()))
 
 
-def policy_names(spec: str, inputs: DecisionInputs) -> list[str]:
-    """``all``, or a comma-separated list; unknown names fail before any replay."""
+def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
+    """``all`` (with ``learned`` when the trace's pair has a shipped policy), or a
+    comma-separated list; unknown names fail before any replay."""
     known = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
-    names = known if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    if spec == "all":
+        return known[:-1] + ([LEARNED] if learned_path(LEARNED, trace).is_dir() else []) + known[-1:]
+    names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
         if name not in known and not name.split("=")[0] == LEARNED:
             if name != "oracle":
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget-mib must be positive, got {args.budget_mib}")
     trace = load_trace(args.trace)
     timing = load_timing(args.timing or args.trace, trace)
-    names = policy_names(args.policy, timing.decision_inputs(trace))
+    names = policy_names(args.policy, trace, timing.decision_inputs(trace))
     arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     results = replay(trace, timing, names, arrivals, budget, args.strict)

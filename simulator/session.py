@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from profiler.schema import RunRow
 from rakv.acceptance import ReplayedRound, replay_request
+from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
-from rakv.choices import Choice
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.round_planner import AdaptiveRounds, FixedRounds
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
-from profiler.schema import RunRow
 from simulator.trace import RecordedRequest, Trace
 
 

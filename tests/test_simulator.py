@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from profiler.record import main as record
+from profiler.trace_io import read_table
 from simulator.costs import fit_op_costs
 from simulator.crossover import break_even
 from simulator.replay import main as replay_main
@@ -21,8 +22,8 @@ from simulator.trace import load_trace
 from simulator.validate import main as validate_main, spearman, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_WITH_RUNS = sorted(p for p in (ROOT / "traces").iterdir() if (p / "runs.parquet").is_file()
-                           and load_trace(p).runs and load_trace(p).inputs is not None)
+SHIPPED_WITH_RUNS = sorted(p for p in (ROOT / "traces").iterdir()
+                           if (p / "runs.parquet").is_file() and read_table(p, "runs").num_rows)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,17 @@ def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
     assert validate_main(["--trace", str(trace), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["policies"]["rakv"]) >= {"e2e_mape", "ttft_mape", "round_mismatches"} and "spearman" in report
+
+
+def test_crossover_and_paper_commands(trace, capsys):
+    from simulator.crossover import main as crossover_main
+    from simulator.paper import main as paper_main
+    assert crossover_main(["--timing", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "| ngram | 8 |" in out and "| draft | 1 |" in out
+    assert paper_main([]) == 0  # the shipped traces
+    out = capsys.readouterr().out
+    assert "| paper (Joint-k4 and KV-only baselines) |" in out
 
 
 def test_spearman_and_break_even():

@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from profiler.schema import (KEY_COLUMNS, SCHEMA_VERSION, TABLES, DecisionRow, DrafterRunLengths, OpRow, RequestRow,
-                             RunRow, TraceError, TraceMeta, hardware_fingerprint, rows_to_table, table_to_rows)
+                             RunRow, TraceError, TraceMeta, rows_to_table, table_to_rows)
+from profiler.hardware import hardware_fingerprint
 from profiler.trace_io import TraceWriter, final_path, parts_dir, read_meta, read_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -286,8 +287,8 @@ def test_sigkilled_writer_leaves_readable_parts_and_resume_completes(tmp_path):
 
 
 def test_modules_and_hardware_fingerprint_do_not_import_torch():
-    code = ("import sys, json; import profiler.schema, profiler.trace_io; "
-            "hw = profiler.schema.hardware_fingerprint(probe_gpu=False); json.dumps(hw); "
+    code = ("import sys, json; import profiler.schema, profiler.trace_io, profiler.hardware; "
+            "hw = profiler.hardware.hardware_fingerprint(probe_gpu=False); json.dumps(hw); "
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch')); "
             "assert hw['python'] and hw['cpu_model']")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
