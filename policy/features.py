@@ -64,15 +64,26 @@ class _Layout:
         self.plain = np.array([next(j for j in self.fixed if choices[j].r == c.r and choices[j].k == 0)
                                for c in choices])  # per choice: the plain-decoding choice of its r
         self.adaptive_index = {c: i for i, c in enumerate(choices) if c.adaptive}
+        self._orders: dict[int, tuple[tuple[Action, ...], list[int]]] = {}  # by id: hashing actions costs
+
+    def order_in(self, actions: tuple[Action, ...]) -> list[int]:
+        """Where each fixed choice's action stands in ``actions`` (a policy's action list)."""
+        known = self._orders.get(id(actions))
+        if known is None or known[0] is not actions:
+            known = self._orders[id(actions)] = (actions, [actions.index(a) for a in self.actions])
+        return known[1]
 
 
-_LAYOUTS: dict[tuple[Choice, ...], _Layout] = {}
+_LAYOUTS: dict[int, tuple[tuple[Choice, ...], _Layout]] = {}  # by id: hashing 26 choices costs
 
 
 def feature_rows(features: RequestFeatures, policy: CostModelPolicy, choices: tuple[Choice, ...]) -> np.ndarray:
     """[len(choices), len(FEATURES)] float64, in ``FEATURES`` order (``features.prompt_ids``
     must be set)."""
-    layout = _LAYOUTS.get(choices) or _LAYOUTS.setdefault(choices, _Layout(choices))
+    known = _LAYOUTS.get(id(choices))
+    if known is None or known[0] is not choices:
+        known = _LAYOUTS[id(choices)] = (choices, _Layout(choices))
+    layout = known[1]
     timings = policy.timings
     n, hit = features.num_prompt_tokens, features.target_hit_tokens
     context = decode_context(features)
@@ -88,9 +99,12 @@ def feature_rows(features: RequestFeatures, policy: CostModelPolicy, choices: tu
     # the analytic price of each choice (rakv's own pricing: an action over the memory limit
     # has none); an adaptive one costs what its cheapest fixed action would
     priced = policy.priced(features)
-    cost_of = {action: cost for cost, _, _, action in priced}
     analytic = np.empty(len(choices))
-    analytic[layout.fixed] = [cost_of.get(action, np.inf) for action in layout.actions]
+    if len(priced) == len(policy.actions):  # every action fits: priced in the policy's order
+        analytic[layout.fixed] = [priced[j][0] for j in layout.order_in(policy.actions)]
+    else:
+        cost_of = {action: cost for cost, _, _, action in priced}
+        analytic[layout.fixed] = [cost_of.get(action, np.inf) for action in layout.actions]
     for i, pool in layout.pools.items():
         analytic[i] = analytic[pool].min()
     rows = np.empty((len(choices), len(FEATURES)))
