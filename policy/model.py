@@ -24,6 +24,7 @@ import numpy as np
 from policy.dataset import Group, stack
 from policy.features import ANALYTIC_COLUMN, FEATURES
 from policy.learned import scores
+from simulator.validate import spearman
 
 KINDS = ("regression", "lambdarank")
 TIE = 1e-9  # costs within this relative distance of the cheapest are cheapest too
@@ -61,8 +62,7 @@ def relevance(cost_s: np.ndarray) -> np.ndarray:
     return np.minimum(worse, 30).astype(float)
 
 
-def train(kind: str, train_groups: list[Group], params: dict, num_rounds: int, seed: int = 0,
-          callbacks=None, validation: list[Group] | None = None):
+def train(kind: str, train_groups: list[Group], params: dict, num_rounds: int, seed: int = 0, callbacks=None):
     import lightgbm as lgb
     rows, _, sizes = stack(train_groups)
     data = lgb.Dataset(rows, targets(kind, train_groups), group=sizes if kind == "lambdarank" else None,
@@ -85,7 +85,7 @@ def metrics(groups: list[Group], scores_per_group: list[np.ndarray], predicted_s
         k_of = [("adaptive" if c.adaptive else c.k) for c in g.choices]
         k_hits.append(k_of[chosen] in {k for k, b in zip(k_of, best) if b})
         if np.all(np.isfinite(score)):
-            ranks.append(_spearman(score, g.cost_s))
+            ranks.append(spearman(score, g.cost_s))
     ranks = [r for r in ranks if not np.isnan(r)]
     mape = None
     if predicted_s is not None:
@@ -111,8 +111,3 @@ def analytic_scores(groups: list[Group]) -> tuple[list[np.ndarray], list[np.ndar
 def fixed_scores(groups: list[Group], index: int) -> list[np.ndarray]:
     """Always the choice at ``index``."""
     return [np.where(np.arange(len(g.choices)) == index, 0.0, np.inf) for g in groups]
-
-
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from simulator.validate import spearman
-    return spearman(list(a), list(b))

@@ -51,7 +51,7 @@ class Fidelity:
     first_mismatch: str | None
 
 
-def spearman(a: list[float], b: list[float]) -> float:
+def spearman(a, b) -> float:
     """Rank correlation (average ranks for ties)."""
     def ranks(x):
         x = np.asarray(x, dtype=float)
