@@ -8,8 +8,10 @@ and the peak memory of the process.
 Goals (issue: the simulator): at least 10,000 requests/s for every policy, ``rakv``
 included (the oracle, which replays all 26 of its actions for every request, and the
 learned policy, when one is shipped for the trace's pair, are reported beside them); fit
-in at most 30 s; at most 300 MB. Each policy is timed over
-the same resampled arrivals, one after another, in this process.
+in at most 30 s; at most 300 MB. Each policy is timed over the same resampled arrivals,
+one after another, in this process, ``--repeat`` times from a fresh session and an empty
+cost memo; the best time is reported, as ``timeit`` does, since on a shared machine
+the slower repetitions measure the other work.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--oracle-requests", type=int, default=1_000, help="the oracle is timed on this many (default: 1000)")
+    p.add_argument("--repeat", type=int, default=3, help="time each policy this many times, report the best "
+                   "(default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
 
@@ -48,14 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     rates = {}
     for name in names:
         arrivals = schedule(trace, args.oracle_requests if name == "oracle" else args.requests, None, seed=0)
-        session = make_session(name, trace, inputs, timing)
-        begin = time.perf_counter()
-        simulate(arrivals, session, timing)
-        rates[name] = len(arrivals) / (time.perf_counter() - begin)
+        best_s = float("inf")
+        for _ in range(max(args.repeat, 1)):
+            session = make_session(name, trace, inputs, timing)
+            timing.costs.decode_memo.clear()  # each repetition fills it as one replay would
+            begin = time.perf_counter()
+            simulate(arrivals, session, timing)
+            best_s = min(best_s, time.perf_counter() - begin)
+        rates[name] = len(arrivals) / best_s
         print(f"{name:16} {rates[name]:9.0f} requests/s", file=sys.stderr)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result = {"trace": args.trace.name, "requests": args.requests, "requests_per_s": rates, "fit_s": fit_s,
-              "peak_rss_mb": peak_rss_mb}
+    result = {"trace": args.trace.name, "requests": args.requests, "repeat": args.repeat, "requests_per_s": rates,
+              "fit_s": fit_s, "peak_rss_mb": peak_rss_mb}
     if args.json:
         print(json.dumps(result))
     else:

@@ -7,8 +7,7 @@ target, a round starting at t with draft length k accepts exactly min(k, m_t) to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from rakv.drafters import RunLengths
 from rakv.round_planner import SHADOW_LENGTH
@@ -30,8 +29,7 @@ def round_draft_length(k: int, num_generated: int, max_new_tokens: int) -> int:
     return max(0, min(k, max_new_tokens - num_generated - 1))
 
 
-@dataclass(frozen=True)
-class ReplayedRound:
+class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, cheaply
     start: int  # output position of the round's first drafted token
     drafter: str
     k: int
@@ -53,25 +51,29 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     if not planner.drafters:
         return rounds  # plain steps only, and nothing to observe
     signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
-    shadows = [(d, lengths[d]) for d in planner.shadowed]
+    by_drafter = {d: (lengths[d].proposed, lengths[d].runs, lengths[d].signals) for d in planner.drafters}
+    shadows = [(d, *by_drafter[d]) for d in planner.shadowed]
     plan, observe = planner.plan, planner.observe  # called on every step
     signals: dict[str, int] = {}
+    last = min(num_output, max_new_tokens - 1)  # from here on a round could draft nothing
     t = 1
     while t < num_output:
         for d, by_position in signal_lists:
             signals[d] = by_position[t]
-        drafter, k = plan(signals)
-        k = round_draft_length(k, t, max_new_tokens)
+        # round_draft_length, inlined: this loop is the simulator's hot path
+        drafter, k = plan(signals) if t < last else (None, 0)
+        if k > max_new_tokens - t - 1:
+            k = max_new_tokens - t - 1
         appended = 1
         if k > 0:
-            at = lengths[drafter]
-            rnd = ReplayedRound(t, drafter, k, min(k, at.proposed[t]), min(k, at.runs[t]))
-            rounds.append(rnd)
-            observe(drafter, at.signals[t], rnd.num_proposed, rnd.accepted)
-            appended = min(rnd.accepted + 1, num_output - t)
-        for shadow, at in shadows:
-            if k == 0 or shadow != drafter:
-                checked = min(at.proposed[t], SHADOW_LENGTH, appended)
-                observe(shadow, at.signals[t], checked, min(at.runs[t], checked))
+            proposed, runs, drafter_signals = by_drafter[drafter]
+            num_proposed, accepted = min(k, proposed[t]), min(k, runs[t])
+            rounds.append(ReplayedRound(t, drafter, k, num_proposed, accepted))
+            observe(drafter, drafter_signals[t], num_proposed, accepted)
+            appended = min(accepted + 1, num_output - t)
+        for shadow, proposed, runs, shadow_signals in shadows:
+            if proposed[t] and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing
+                checked = min(proposed[t], SHADOW_LENGTH, appended)
+                observe(shadow, shadow_signals[t], checked, min(runs[t], checked))
         t += appended
     return rounds

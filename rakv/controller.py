@@ -111,7 +111,8 @@ class CostModelPolicy:
     def priced(self, features: RequestFeatures) -> list[tuple[float, int, int, Action]]:
         """(predicted seconds, k, r, action) of every feasible action: the least is chosen."""
         limit = self.config.memory_limit_bytes
-        actions = [a for a in self.actions if limit is None or action_bytes(a, features, self.timings) <= limit]
+        actions = self.actions if limit is None else [
+            a for a in self.actions if action_bytes(a, features, self.timings) <= limit]
         if not actions:
             raise ValueError(
                 f"no action fits the memory limit of {limit} bytes for a "
@@ -130,7 +131,9 @@ class CostModelPolicy:
         while limit is not None and max_k > 0 and any(
                 action_bytes(Action(action.r, max_k, d), features, self.timings) > limit for d in ready):
             max_k -= 1
-        config = replace(self.config.rounds, max_k=max(max_k, 1))
+        config = self.config.rounds
+        if max_k != config.max_k:
+            config = replace(config, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
         return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
                               self.round_costs_at(drafters, config.max_k, decode_context(features)), config)

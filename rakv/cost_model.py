@@ -186,17 +186,18 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
     costs = []
     progress: dict[str, list[float]] = {}  # per drafter, E_k for every k: actions share them
     for action in actions:
+        k, drafter = action.k, action.drafter
         if rounds is None:
-            per_round_s = round_s(timings, action.drafter, action.k, context)
+            per_round_s = round_s(timings, drafter, k, context)
         else:
-            per_round_s = rounds.round_s[action.drafter][action.k] if action.k else rounds.step_s
-        if action.k == 0:
+            per_round_s = rounds.round_s[drafter][k] if k else rounds.step_s
+        if k == 0:
             costs.append(start_s[action.r, False] + remaining * per_round_s)
             continue
-        if action.drafter not in progress:
-            progress[action.drafter] = progress_by_k(acceptance.get(action.drafter, 0.0), max(K_CHOICES))
-        num_rounds = remaining / progress[action.drafter][action.k]
-        costs.append(start_s[action.r, action.drafter == DRAFT_MODEL] + num_rounds * per_round_s)
+        by_k = progress.get(drafter)
+        if by_k is None:
+            by_k = progress[drafter] = progress_by_k(acceptance.get(drafter, 0.0), max(K_CHOICES))
+        costs.append(start_s[action.r, drafter == DRAFT_MODEL] + remaining / by_k[k] * per_round_s)
     return costs
 
 

@@ -118,9 +118,14 @@ class PrefixIndex:
         best: Hit | None = None
         query_bytes = query.tobytes()
         for entry in self._buckets.get(key, {}).values():
-            n = min(entry.num_tokens, len(query)) * 8
-            # equal bytes: the whole of the shorter one is common (the usual hit), found cheaply
-            q = n // 8 if entry.token_bytes[:n] == query_bytes[:n] else common_prefix_len(entry.token_ids, query)
+            # the shorter one a prefix of the other (the usual hit): found by one memcmp
+            if len(entry.token_bytes) <= len(query_bytes):
+                q = entry.num_tokens if query_bytes.startswith(entry.token_bytes) else -1
+            else:
+                q = len(query) if entry.token_bytes.startswith(query_bytes) else -1
+            if q < 0:  # they differ within the shorter one: its first difference
+                n = min(entry.num_tokens, len(query))
+                q = int((entry.token_ids[:n] == query[:n]).argmin())
             if q == 0:
                 continue  # digest collision
             if best is None or q > best.num_tokens or (q == best.num_tokens and entry.last_used > best.entry.last_used):

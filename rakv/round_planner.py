@@ -54,9 +54,14 @@ class _Counts:
         self.trials: dict[tuple[str, int], list[int]] = {}  # (drafter, signal) -> [successes, failures]
 
     def add(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
-        tally = self.trials.setdefault((drafter, signal), [0, 0])
+        if num_proposed == 0:
+            return  # no trial (prompt lookup found no match)
+        tally = self.trials.get((drafter, signal))
+        if tally is None:
+            tally = self.trials[drafter, signal] = [0, 0]
         tally[0] += accepted
-        tally[1] += int(accepted < num_proposed)
+        if accepted < num_proposed:
+            tally[1] += 1
 
     def totals(self) -> tuple[AcceptanceCount, ...]:
         return tuple(AcceptanceCount(d, s, *self.trials[d, s]) for d, s in sorted(self.trials))
@@ -143,10 +148,16 @@ class AdaptiveRounds:
         self.fallback = dict(fallback)  # per drafter, for a signal not seen before
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
         self.step_s = costs.step_s
-        # per drafter: its cheapest round, which bounds its best rate (see plan)
-        self._min_cost_s = {d: min(self.costs_s[d][1:config.max_k + 1]) for d in drafters}
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
+        # Per drafter, the acceptance at or below which none of its rounds can beat that
+        # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
+        # 1 / ((1 - a) * its cheapest round). The 1e-9 keeps float rounding on the safe
+        # side: this only skips work, every drafter above it is priced exactly.
+        self._hopeless = {d: 1.0 - 1.0 / (self._plain_rate * min(self.costs_s[d][1:config.max_k + 1])) - 1e-9
+                          for d in drafters}
         self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
+        self._keep = 1.0 - config.recency
+        self._max_k = config.max_k
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
@@ -157,29 +168,32 @@ class AdaptiveRounds:
     def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
         best_rate, best = self._plain_rate, self._plain
         for drafter in self.drafters:
-            a = self.acceptance.get((drafter, signals[drafter]))
+            signal = signals[drafter]
+            a = self.acceptance.get((drafter, signal))
             if a is None:  # kept: the same value ``estimate`` would give on every later call
-                a = self.acceptance[drafter, signals[drafter]] = self.estimate(drafter, signals[drafter])
+                a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
+            if a <= self._hopeless[drafter]:
+                continue  # no round of this drafter can win (see __init__)
             costs = self.costs_s[drafter]
-            if a < 1.0 - 1e-12 and (1.0 / (1.0 - max(a, 0.0))) / self._min_cost_s[drafter] <= best_rate * (1 + 1e-9):
-                continue  # E_k(a) < 1 / (1 - a) for every k: no round of this drafter can win (exact)
-            progress = progress_by_k(a, self.config.max_k)
-            for k in range(1, self.config.max_k + 1):
+            progress = progress_by_k(a, self._max_k)
+            beat = best_rate * (1 + 1e-9)
+            for k in range(1, self._max_k + 1):
                 rate = progress[k] / costs[k]
-                if rate > best_rate * (1 + 1e-9):
-                    best_rate, best = rate, (drafter, k)
+                if rate > beat:
+                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
         """A round (or a shadowed proposal) of ``drafter`` under ``signal``: ``accepted``
         of ``num_proposed`` verified tokens matched, the first mismatch ending it if
         accepted < num_proposed."""
-        self._counts.add(drafter, signal, num_proposed, accepted)
         if num_proposed == 0:
             return  # nothing proposed (prompt lookup found no match): nothing learned
-        keep = 1.0 - self.config.recency
+        self._counts.add(drafter, signal, num_proposed, accepted)
+        keep = self._keep
         # ``accepted`` successes then, maybe, one failure, each moving the estimate by recency
-        miss = 1.0 - self.estimate(drafter, signal)
+        a = self.acceptance.get((drafter, signal))
+        miss = 1.0 - (a if a is not None else self.estimate(drafter, signal))
         rate = 1.0 - miss * keep ** accepted
         self.acceptance[drafter, signal] = rate * keep if accepted < num_proposed else rate
 
