@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
-from rakv.drafters import RunLengths
-from rakv.round_planner import SHADOW_LENGTH
+from rakv.drafters import DRAFT_MODEL, RunLengths
 
 
 def run_lengths(agree: Sequence[bool], max_k: int) -> list[int]:
@@ -35,6 +34,10 @@ class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, chea
     k: int
     num_proposed: int
     accepted: int
+    # False: a confidence stop fell past the first wrong token, where the draft ran on its
+    # own wrong prefix; num_proposed is then the teacher-forced probabilities' guess, and
+    # only num_proposed >= accepted + 2 is exact
+    proposed_exact: bool = True
 
 
 def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
@@ -45,14 +48,22 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     The first token comes from the prefill; a round whose clipped draft length is 0 is a
     plain target step. A round appends its accepted tokens and the target's own, except
     at the output's end, where an accepted EOS ends it. After each round, a shadowed
-    drafter is told how much of its proposal (its first ``SHADOW_LENGTH`` tokens) the
-    appended tokens confirm, as the engine tells it."""
+    drafter is told how much of its proposal (its first ``planner.shadow_length``
+    tokens) the appended tokens confirm, as the engine tells it.
+
+    A draft model under a confidence threshold (``planner.confidence`` > 0) stops after
+    the first token whose teacher-forced top-1 probability is below it
+    (``RunLengths.top1_probs``); up to the first wrong token that probability is the one
+    the engine computed, so where the round stops, what it accepts, and what the planner
+    learns are exact."""
     rounds: list[ReplayedRound] = []
     if not planner.drafters:
         return rounds  # plain steps only, and nothing to observe
     signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
     by_drafter = {d: (lengths[d].proposed, lengths[d].runs, lengths[d].signals) for d in planner.drafters}
     shadows = [(d, *by_drafter[d]) for d in planner.shadowed]
+    shadow_length = planner.shadow_length if shadows else 0
+    top1_probs = lengths[DRAFT_MODEL].top1_probs if DRAFT_MODEL in lengths else None
     plan, observe = planner.plan, planner.observe  # called on every step
     signals: dict[str, int] = {}
     last = min(num_output, max_new_tokens - 1)  # from here on a round could draft nothing
@@ -67,13 +78,45 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
         appended = 1
         if k > 0:
             proposed, runs, drafter_signals = by_drafter[drafter]
-            num_proposed, accepted = min(k, proposed[t]), min(k, runs[t])
-            rounds.append(ReplayedRound(t, drafter, k, num_proposed, accepted))
-            observe(drafter, drafter_signals[t], num_proposed, accepted)
-            appended = min(accepted + 1, num_output - t)
+            threshold = planner.confidence if drafter == DRAFT_MODEL else 0.0
+            if threshold > 0:
+                rnd = _confident_round(t, k, runs[t], top1_probs, threshold, num_output)
+                appended = min(rnd.accepted + 1, num_output - t)
+                observe(drafter, drafter_signals[t], rnd.num_proposed, rnd.accepted,
+                        top1_probs[t:t + min(rnd.num_proposed, appended)])
+            else:
+                rnd = ReplayedRound(t, drafter, k, min(k, proposed[t]), min(k, runs[t]))
+                appended = min(rnd.accepted + 1, num_output - t)
+                observe(drafter, drafter_signals[t], rnd.num_proposed, rnd.accepted)
+            rounds.append(rnd)
         for shadow, proposed, runs, shadow_signals in shadows:
             if proposed[t] and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing
-                checked = min(proposed[t], SHADOW_LENGTH, appended)
+                checked = min(proposed[t], shadow_length, appended)
                 observe(shadow, shadow_signals[t], checked, min(runs[t], checked))
         t += appended
     return rounds
+
+
+def _confident_round(t: int, k: int, run: int, top1_probs, threshold: float, num_output: int) -> ReplayedRound:
+    """A draft-model round from t with cap k that stops after a token of probability
+    below ``threshold``; ``run`` is m_t. Past the output's end nothing is known, and the
+    draft is taken to go on."""
+    if top1_probs is None:
+        raise ValueError("the trace holds no draft probabilities: a confidence stop cannot be replayed")
+    stop = k
+    for j in range(min(k, num_output - t)):
+        if top1_probs[t + j] < threshold:
+            stop = j + 1
+            break
+    return ReplayedRound(t, DRAFT_MODEL, k, stop, min(stop, run), stop <= run + 1)
+
+
+def comparable_rounds(recorded: Sequence[tuple], replayed: Sequence[ReplayedRound]) -> tuple[list, list]:
+    """Recorded rounds (start, drafter, k, proposed, accepted) and replayed ones as lists
+    that are equal exactly when the replay reproduces the recording: where the replay
+    knows only that a confidence-stopped proposal ran past its first wrong token
+    (``proposed_exact`` False), both proposed counts are cut to accepted + 2."""
+    cut = {i for i, r in enumerate(replayed) if not r.proposed_exact}
+    def rows(rounds):
+        return [(*r[:3], min(r[3], r[4] + 2) if i in cut else r[3], r[4]) for i, r in enumerate(rounds)]
+    return rows([tuple(r) for r in recorded]), rows([tuple(r[:5]) for r in replayed])

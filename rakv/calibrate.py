@@ -28,7 +28,7 @@ from rakv.models import ModelPair
 from rakv.op_timing import CALIBRATION_GRID, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
 
-CALIBRATION_VERSION = 6
+CALIBRATION_VERSION = 7
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",

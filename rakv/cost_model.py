@@ -79,6 +79,13 @@ class ModelTimings:
     # 2-token forward costs about 1.7 steps (matrix-vector becomes matrix-matrix), a
     # 9-token one about 2.8, so a line through the origin misprices short rounds.
     verify_fixed_s: float = 0.0
+    # Measured seconds a forward of T >= 2 tokens takes over a one-token step, per T in
+    # ``verify_tokens``. Where present they replace the line above, interpolated: the cost
+    # of T tokens need not be linear, nor even increasing, in T (Qwen2.5-Coder-1.5B on one
+    # CPU thread: 2.2 steps for 2 tokens, 3.2 for 3, 2.3 for 5, 2.6 for 9, 3.3 for 17;
+    # small matrix products take a slow path), and the line made long rounds look dear.
+    verify_tokens: tuple[int, ...] = ()
+    verify_extra_s: tuple[float, ...] = ()
 
     def prefill_s(self, num_new: int, num_cached: int) -> float:
         if num_new <= 0:
@@ -93,7 +100,22 @@ class ModelTimings:
     def verify_s(self, num_tokens: int, num_context: int) -> float:
         if num_tokens <= 1:
             return self.step_s(num_context)
+        if self.verify_tokens:
+            return self.step_s(num_context) + _interpolate((1, *self.verify_tokens), (0.0, *self.verify_extra_s),
+                                                           num_tokens)
         return self.step_s(num_context) + self.verify_fixed_s + self.verify_per_token_s * (num_tokens - 1)
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys) (xs increasing); past the last point the last
+    segment's slope continues, never decreasing."""
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+            if x > xs[i]:
+                slope = max(slope, 0.0)
+            return ys[i - 1] + slope * (x - xs[i - 1])
+    return ys[0]
 
 
 @dataclass(frozen=True)
@@ -223,11 +245,15 @@ def _fit_model(rows: list, role: str) -> ModelTimings:
     extra = np.array([r.seconds - (step_fixed + step_slope * r.num_cached_tokens) for r in verify])
     scored = np.array([r.num_new_tokens - 1 for r in verify], dtype=float)
     verify_fixed, verify_slope = _fit_line_nonnegative(scored, extra)
+    sizes = sorted({r.num_new_tokens for r in verify})
+    extra_by_size = tuple(max(float(np.median([e for e, r in zip(extra, verify) if r.num_new_tokens == size])), 0.0)
+                          for size in sizes)
     kv_bytes = max(r.num_bytes // r.num_new_tokens for r in prefill)
     return ModelTimings(
         prefill_fixed_s=p_fixed, prefill_per_token_s=p_token, prefill_per_token_context_s=p_ctx,
         step_fixed_s=step_fixed, step_per_context_s=step_slope, verify_per_token_s=verify_slope,
-        kv_bytes_per_token=kv_bytes, verify_fixed_s=verify_fixed)
+        kv_bytes_per_token=kv_bytes, verify_fixed_s=verify_fixed, verify_tokens=tuple(sizes),
+        verify_extra_s=extra_by_size)
 
 
 def _fit_line_nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

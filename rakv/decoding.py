@@ -71,17 +71,36 @@ class Round:
     accepted: int
     new_ids: tuple[int, ...]  # accepted draft tokens, then the target's token (unless EOS ended it)
     logits: torch.Tensor  # [vocab] target logits whose argmax is new_ids[-1]
+    draft_probs: tuple[float, ...] = ()  # the draft's probability of each proposed token (confidence stops only)
 
 
-def draft_propose(draft, draft_cache: DynamicCache, seq: list[int], k: int) -> list[int]:
-    """k greedy draft tokens after ``seq``. The draft first catches up on the tokens of
-    ``seq`` it has not seen (at least the last one); afterwards its cache holds
+def top1_prob(logits: torch.Tensor) -> float:
+    """Softmax probability of the greedy token of logits [1, vocab], computed as
+    ``teacher_forced_top1`` does and rounded to float32 as a trace stores it, so the
+    engine and a replay compare the same number with a threshold."""
+    best = logits.max(dim=-1).values.double()
+    return float(torch.exp(best - torch.logsumexp(logits.double(), dim=-1)).float()[0])
+
+
+def draft_propose(draft, draft_cache: DynamicCache, seq: list[int], k: int,
+                  stop_below: float = 0.0) -> tuple[list[int], list[float]]:
+    """Up to k greedy draft tokens after ``seq``, and (when ``stop_below`` > 0) the draft's
+    probability of each: it stops after a token it gives less than ``stop_below`` (as
+    HF's ``assistant_confidence_threshold``). The draft first catches up on the tokens
+    of ``seq`` it has not seen (at least the last one); afterwards its cache holds
     seq + proposal[:-1]."""
     logits = forward(draft, draft_cache, seq[draft_cache.get_seq_length():])
-    proposal = greedy(logits)
-    while len(proposal) < k:
-        proposal += greedy(forward(draft, draft_cache, proposal[-1:]))
-    return proposal
+    proposal, probs = greedy(logits), []
+    while True:
+        if stop_below > 0:
+            probs.append(top1_prob(logits))
+            if probs[-1] < stop_below:
+                break
+        if len(proposal) >= k:
+            break
+        logits = forward(draft, draft_cache, proposal[-1:])
+        proposal += greedy(logits)
+    return proposal, probs
 
 
 class DraftModelDrafter:
@@ -94,7 +113,10 @@ class DraftModelDrafter:
         self.cache = cache
 
     def propose(self, seq: list[int], k: int) -> list[int]:
-        return draft_propose(self.model, self.cache, seq, k)
+        return draft_propose(self.model, self.cache, seq, k)[0]
+
+    def propose_confident(self, seq: list[int], k: int, stop_below: float) -> tuple[list[int], list[float]]:
+        return draft_propose(self.model, self.cache, seq, k, stop_below)
 
     def signal(self, seq: list[int]) -> int:
         return 0  # nothing is known of a model's guess before it is made
@@ -104,11 +126,15 @@ class DraftModelDrafter:
 
 
 def speculative_round(target, drafter: Drafter, target_cache: DynamicCache, seq: list[int],
-                      start: int, k: int, eos_ids: frozenset[int]) -> Round:
+                      start: int, k: int, eos_ids: frozenset[int], stop_below: float = 0.0) -> Round:
     """Draft up to k tokens, verify them in one target forward, roll the target cache and
     the drafter back past the first mismatch. ``seq`` is the sequence so far (not
-    modified). An empty proposal makes this one plain target step."""
-    proposal = drafter.propose(seq, k)
+    modified). An empty proposal makes this one plain target step. ``stop_below`` > 0
+    (a draft model only): the proposal ends after a token the draft was less sure of."""
+    if stop_below > 0:
+        proposal, probs = drafter.propose_confident(seq, k, stop_below)
+    else:
+        proposal, probs = drafter.propose(seq, k), []
     logits = forward(target, target_cache, seq[-1:] + proposal, len(proposal) + 1)  # [len+1, vocab]
     target_ids = greedy(logits)
     accepted = num_accepted(proposal, target_ids, eos_ids)
@@ -119,7 +145,7 @@ def speculative_round(target, drafter: Drafter, target_cache: DynamicCache, seq:
     crop_to(target_cache, num_valid)
     drafter.rollback(num_valid)
     last = len(new_ids) - 1 if ended_on_eos else accepted
-    return Round(start, k, len(proposal), accepted, tuple(new_ids), logits[last])
+    return Round(start, k, len(proposal), accepted, tuple(new_ids), logits[last], tuple(probs))
 
 
 @torch.inference_mode()
@@ -130,7 +156,7 @@ def teacher_forced_top1(model, token_ids: list[int]) -> tuple[list[int], list[fl
     logits = model(input_ids=ids, use_cache=False).logits[0]  # [T, vocab]
     best, argmax = logits.max(dim=-1)
     probs = torch.exp(best.double() - torch.logsumexp(logits.double(), dim=-1))
-    return argmax.tolist(), probs.tolist()
+    return argmax.tolist(), probs.float().tolist()  # float32, as traces store them and the engine rounds them
 
 
 def draft_predictions(draft, prompt_ids: list[int], output_ids: list[int]) -> tuple[list[bool], list[float]]:

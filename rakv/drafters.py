@@ -128,6 +128,7 @@ class RunLengths:
     runs: list[int]  # m_t: leading proposed tokens that equal the output from t, at most max_k
     proposed: list[int]  # proposal length at t
     signals: list[int]  # Drafter.signal at t
+    top1_probs: Sequence[float] | None = None  # a draft model's: its teacher-forced top-1 probability at t
 
 
 def ngram_run_lengths(prompt_ids: list[int], output_ids: list[int], max_k: int,

@@ -21,7 +21,7 @@ from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, matching_prefix_leng
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
-from rakv.round_planner import MAX_DRAFT_LENGTH, SHADOW_LENGTH
+from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.settings import EngineConfig
 from rakv.store_model import PrefixMatch, draft_cache_positions
 
@@ -35,7 +35,7 @@ class RoundRecord:
     start: int  # output position of the round's first drafted token
     drafter: str
     k: int  # draft length asked for
-    num_proposed: int  # tokens proposed (a draft model always proposes k)
+    num_proposed: int  # tokens proposed (a draft model proposes k unless it stopped on low confidence)
     accepted: int
 
 
@@ -106,7 +106,7 @@ class Engine:
         eos = self.pair.eos_token_ids
         while seq[-1] not in eos and len(seq) - n < max_new:
             signals = {d: drafters[d].signal(seq) for d in planner.drafters}
-            shadow_proposals = {d: drafters[d].propose(seq, SHADOW_LENGTH) for d in planner.shadowed}
+            shadow_proposals = {d: drafters[d].propose(seq, planner.shadow_length) for d in planner.shadowed}
             name, k = planner.plan(signals)
             k = round_draft_length(k, len(seq) - n, max_new)
             before = len(seq)
@@ -114,9 +114,12 @@ class Engine:
                 logits = forward(self.pair.target, target_cache, seq[-1:])[0]
                 seq += greedy(logits[None])
             else:
-                rnd = speculative_round(self.pair.target, drafters[name], target_cache, seq, len(seq) - n, k, eos)
+                stop_below = planner.confidence if name == DRAFT_MODEL else 0.0
+                rnd = speculative_round(self.pair.target, drafters[name], target_cache, seq, len(seq) - n, k, eos,
+                                        stop_below)
                 rounds.append(RoundRecord(rnd.start, name, rnd.k, rnd.num_proposed, rnd.accepted))
-                planner.observe(name, signals[name], rnd.num_proposed, rnd.accepted)
+                # the probabilities of output positions only: none after an accepted EOS (as a replay has them)
+                planner.observe(name, signals[name], rnd.num_proposed, rnd.accepted, rnd.draft_probs[:len(rnd.new_ids)])
                 seq += rnd.new_ids
                 logits = rnd.logits
             for shadow, proposal in shadow_proposals.items():

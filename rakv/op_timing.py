@@ -40,7 +40,7 @@ class OpGrid:
     prefill_new: tuple[int, ...] = (8, 32, 128)
     prefill_cached: tuple[int, ...] = (0, 256)
     decode_context: tuple[int, ...] = (16, 256)
-    verify_k: tuple[int, ...] = (1, 4, 8)
+    verify_k: tuple[int, ...] = (1, 2, 4, 8, 16)
     verify_context: tuple[int, ...] = (16,)
     store_tokens: tuple[int, ...] = (128,)
     ngram_history: tuple[int, ...] = (1024,)
@@ -50,7 +50,7 @@ class OpGrid:
 
 CALIBRATION_GRID = OpGrid()
 RECORDING_GRID = OpGrid(prefill_new=(1, 16, 64, 256, 512), prefill_cached=(0, 256, 1024),
-                        decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8),
+                        decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8, 12, 16),
                         verify_context=(128, 1024), store_tokens=(128, 1024),
                         ngram_history=(256, 2048), warmup=2, repeats=5)
 

@@ -23,13 +23,12 @@ the timing noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import ClassVar, Mapping, Sequence
 
 from rakv.cost_model import K_CHOICES, PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 
-MAX_DRAFT_LENGTH = max(K_CHOICES)  # the longest round a planner drafts
-SHADOW_LENGTH = MAX_DRAFT_LENGTH  # tokens of a shadowed drafter's proposal checked after each round
+MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,11 @@ class _Counts:
 
 
 class FixedRounds:
-    """Draft length k with one drafter, every round; shadows nothing."""
+    """Draft length k with one drafter, every round; shadows nothing; never stops a
+    proposal early."""
 
     shadowed: tuple[str, ...] = ()
+    confidence = 0.0
 
     def __init__(self, drafter: str, k: int):
         self.drafter, self.k = drafter, k
@@ -80,7 +81,8 @@ class FixedRounds:
     def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
         return self.drafter, self.k
 
-    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
+    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
+                probs: Sequence[float] = ()) -> None:
         self._counts.add(drafter, signal, num_proposed, accepted)
 
     def counts(self) -> tuple[AcceptanceCount, ...]:
@@ -111,11 +113,87 @@ class PlannerConfig:
     # round's rollback and bookkeeping; and a losing round costs 2-3 steps on a CPU. On
     # the prompt-lookup bench, 0.05 let prose lose 4 % to ar.
     min_gain: float = 0.25
+    shadow_length: int = MAX_DRAFT_LENGTH  # tokens of a shadowed drafter's proposal checked after each round
+    # The draft model ends a round after a token it gives less than this probability, as
+    # HF's assistant does (``assistant_confidence_threshold``, 0.4); k is then a cap. Each
+    # request moves its own threshold as its draft tokens are verified
+    # (``confidence_threshold``). 0: proposals always run to k.
+    draft_confidence: float = 0.4
+    # Settings a trace recorded before they existed, as the engine then behaved.
+    ABSENT_MEANS: ClassVar[dict] = {"shadow_length": 8, "draft_confidence": 0.0}
 
     def __post_init__(self):
-        if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH:
-            raise ValueError(f"need 0 < recency <= 1 and 1 <= max_k <= {MAX_DRAFT_LENGTH}, "
-                             f"got {self.recency}, {self.max_k}")
+        if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH or self.shadow_length < 1:
+            raise ValueError(f"need 0 < recency <= 1, 1 <= max_k <= {MAX_DRAFT_LENGTH} and shadow_length >= 1, "
+                             f"got {self.recency}, {self.max_k}, {self.shadow_length}")
+        if not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"need 0 <= draft_confidence < 1, got {self.draft_confidence}")
+
+
+def stopped_rounds(acceptance: float, stop_right: float, stop_wrong: float, costs_s: Sequence[float],
+                   max_k: int) -> tuple[list[float], list[float]]:
+    """([E_0, ..., E_max_k], [cost_0, ..., cost_max_k]) of draft-model rounds capped at k
+    whose proposal stops after a token the draft is unsure of: after a right token with
+    probability ``stop_right``, after a wrong one with ``stop_wrong`` (a useful threshold
+    stops mostly wrong ones). With a the per-token acceptance, a token is kept and drafting
+    goes on with g = a (1 - stop_right), and drafting goes on at all with
+    c = g + (1 - a)(1 - stop_wrong); so E_k = 1 + a sum_{j<k} g^j, and the round drafts
+    D_k = sum_{j<k} c^j tokens, costing ``costs_s`` (per whole k) interpolated at D_k.
+    With no stops these are ``progress_by_k`` and ``costs_s``."""
+    a = min(max(acceptance, 0.0), 1.0)
+    kept_going = a * (1.0 - stop_right)
+    going = kept_going + (1.0 - a) * (1.0 - stop_wrong)
+    progress, costs = [1.0], [costs_s[0]]
+    kept = drafted = 0.0
+    for j in range(max_k):
+        kept += a * kept_going ** j
+        drafted += going ** j
+        whole = min(int(drafted), max_k)
+        upper = costs_s[min(whole + 1, max_k)]
+        costs.append(costs_s[whole] + (drafted - whole) * (upper - costs_s[whole]))
+        progress.append(1.0 + kept)
+    return progress, costs
+
+
+MIN_CONFIDENCE_SAMPLES = 6  # verified draft tokens, both outcomes among them, before a request moves its threshold
+CONFIDENCE_RANGE = (0.05, 0.9)  # learned thresholds stay inside: near 1, probabilities saturate and tie
+
+
+def stop_shares(samples: Sequence[tuple[float, bool]], threshold: float) -> tuple[float, float]:
+    """Of the (probability, right) samples, the share of right ones and of wrong ones
+    below ``threshold`` (0 where there are none)."""
+    right = [p < threshold for p, ok in samples if ok]
+    wrong = [p < threshold for p, ok in samples if not ok]
+    return (sum(right) / len(right) if right else 0.0, sum(wrong) / len(wrong) if wrong else 0.0)
+
+
+def confidence_threshold(samples: Sequence[tuple[float, bool]], start: float) -> float:
+    """The stop threshold after a request's verified draft tokens, each (the draft's
+    probability, whether the target agreed): HF's assistant rule, the threshold among the
+    observed probabilities that minimises (false continues / wrong tokens) + 3 (false
+    stops / right tokens), the highest on ties, kept within ``CONFIDENCE_RANGE``.
+    ``start`` until there are ``MIN_CONFIDENCE_SAMPLES`` with both outcomes.
+
+    Only tokens up to the first wrong one in each round are samples: the draft made them
+    from the true prefix, so a trace's teacher-forced probabilities give the same samples
+    and the same threshold."""
+    num_right = sum(1 for _, right in samples if right)
+    num_wrong = len(samples) - num_right
+    if len(samples) < MIN_CONFIDENCE_SAMPLES or not num_right or not num_wrong:
+        return start
+    best_cost, best = 3.0, None  # a threshold above every sample: every right token stopped
+    continued_right = continued_wrong = 0
+    ordered = sorted(samples, key=lambda s: -s[0])
+    for i, (prob, right) in enumerate(ordered):
+        continued_right += right
+        continued_wrong += not right
+        if i + 1 < len(ordered) and ordered[i + 1][0] == prob:
+            continue  # a threshold continues every token at its probability
+        cost = continued_wrong / num_wrong + 3 * (1 - continued_right / num_right)
+        if cost < best_cost:
+            best_cost, best = cost, prob
+    low, high = CONFIDENCE_RANGE
+    return start if best is None else min(max(best, low), high)
 
 
 def initial_estimate(drafter: str, signal: int, drafter_estimate: float) -> float:
@@ -158,6 +236,10 @@ class AdaptiveRounds:
         self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
         self._keep = 1.0 - config.recency
         self._max_k = config.max_k
+        self.shadow_length = config.shadow_length
+        self.confidence = config.draft_confidence if DRAFT_MODEL in drafters else 0.0  # this request's stop threshold
+        self._confidence_samples: list[tuple[float, bool]] = []
+        self._stop_shares = (0.0, 0.0)  # of the request's right and wrong draft tokens, those below its threshold
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
@@ -175,7 +257,10 @@ class AdaptiveRounds:
             if a <= self._hopeless[drafter]:
                 continue  # no round of this drafter can win (see __init__)
             costs = self.costs_s[drafter]
-            progress = progress_by_k(a, self._max_k)
+            if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
+                progress, costs = stopped_rounds(a, *self._stop_shares, costs, self._max_k)
+            else:
+                progress = progress_by_k(a, self._max_k)
             beat = best_rate * (1 + 1e-9)
             for k in range(1, self._max_k + 1):
                 rate = progress[k] / costs[k]
@@ -183,10 +268,17 @@ class AdaptiveRounds:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
 
-    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int) -> None:
+    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
+                probs: Sequence[float] = ()) -> None:
         """A round (or a shadowed proposal) of ``drafter`` under ``signal``: ``accepted``
         of ``num_proposed`` verified tokens matched, the first mismatch ending it if
-        accepted < num_proposed."""
+        accepted < num_proposed. ``probs``: the draft model's probability of each
+        proposed token, when its proposals stop on confidence (the first accepted + 1
+        are used: those made from the true prefix)."""
+        if probs and self.confidence > 0:
+            self._confidence_samples += [(p, i < accepted) for i, p in enumerate(probs[:accepted + 1])]
+            self.confidence = confidence_threshold(self._confidence_samples, self.config.draft_confidence)
+            self._stop_shares = stop_shares(self._confidence_samples, self.confidence)
         if num_proposed == 0:
             return  # nothing proposed (prompt lookup found no match): nothing learned
         self._counts.add(drafter, signal, num_proposed, accepted)

@@ -42,7 +42,8 @@ def settings_to_json(settings) -> dict:
 
 def settings_from_json(cls: type, data: dict):
     """An instance of the frozen dataclass ``cls`` from ``settings_to_json``'s output; a
-    missing key takes the field's default."""
+    missing key takes ``cls.ABSENT_MEANS[key]`` where the class has one (what a setting
+    written before it existed behaved as), else the field's default."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} settings must be a JSON object, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -50,7 +51,8 @@ def settings_from_json(cls: type, data: dict):
     if unknown:
         raise ValueError(f"unknown {cls.__name__} setting {unknown[0]!r}")
     hints = typing.get_type_hints(cls)
-    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+    absent = {name: value for name, value in getattr(cls, "ABSENT_MEANS", {}).items() if name not in data}
+    return cls(**absent, **{name: _value(hints[name], value) for name, value in data.items()})
 
 
 def _value(hint, value):

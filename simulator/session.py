@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from profiler.schema import RunRow
-from rakv.acceptance import ReplayedRound, replay_request
+from rakv.acceptance import ReplayedRound, comparable_rounds, replay_request
 from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
@@ -140,9 +140,9 @@ def replay_runs(trace: Trace, policy_name: str) -> list[tuple[RunRow, ReplayedRe
 
 def run_mismatch(run: RunRow, replayed: ReplayedRequest) -> str | None:
     """The first way the replay differs from the recorded run, or None."""
-    rounds = [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in replayed.rounds]
-    recorded = list(zip(run.start_per_round, run.drafter_per_round, run.k_per_round, run.proposed_per_round,
-                        run.accepted_per_round))
+    recorded, rounds = comparable_rounds(
+        list(zip(run.start_per_round, run.drafter_per_round, run.k_per_round, run.proposed_per_round,
+                 run.accepted_per_round)), replayed.rounds)
     checks = (
         ("action", (replayed.action.r, replayed.action.k, replayed.action.drafter), (run.r, run.k, run.drafter)),
         ("hit tokens", replayed.hit_tokens, run.hit_tokens),

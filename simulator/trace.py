@@ -88,7 +88,7 @@ def _recorded(row: RequestRow, ngram: NgramConfig, path: Path) -> RecordedReques
                                  f"trace's n-gram config {ngram}")
         elif stored.drafter == DRAFT_MODEL:
             lengths[DRAFT_MODEL] = RunLengths(list(stored.run_lengths), list(stored.proposal_lengths),
-                                              [0] * len(stored.run_lengths))
+                                              [0] * len(stored.run_lengths), row.draft_top1_probs or None)
     return RecordedRequest(
         request_id=row.request_id, group_id=row.group_id, turn=row.turn, arrival_s=row.arrival_s,
         prompt_ids=row.prompt_ids, output_ids=row.output_ids, max_new_tokens=row.max_new_tokens,

@@ -4,17 +4,18 @@ from __future__ import annotations
 import copy
 
 from conftest import policy_for
-from rakv.acceptance import replay_request, run_lengths
-from rakv.cost_model import K_CHOICES
-from rakv.decoding import draft_agreement
+from rakv.acceptance import comparable_rounds, replay_request, run_lengths
+from rakv.decoding import draft_predictions
+from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.drafters import NGRAM, RunLengths, ngram_run_lengths
 from rakv.engine import Engine
 from rakv.settings import EngineConfig
 
 
 def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=EngineConfig()):
-    """The results, and a copy of each request's round planner as it started."""
-    policy = policy_for(policy_name, pair)
+    """The results, and a copy of each request's round planner as it started.
+    ``policy_name`` may also be a policy object."""
+    policy = policy_for(policy_name, pair) if isinstance(policy_name, str) else policy_name
     planners, make_planner = [], policy.planner
 
     def recorded(features, action):
@@ -28,12 +29,13 @@ def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=Engin
 
 
 def drafter_run_lengths(pair, drafter: str, prompt, output, config=EngineConfig()) -> RunLengths:
-    """m_t, proposal lengths and signals from one teacher-forced pass of the drafter."""
-    max_k = max(K_CHOICES)
+    """m_t, proposal lengths, signals and (draft model) top-1 probabilities from one
+    teacher-forced pass of the drafter."""
+    max_k = MAX_DRAFT_LENGTH
     if drafter == NGRAM:
         return ngram_run_lengths(prompt, output, max_k, config.ngram)
-    agree = draft_agreement(pair.draft, prompt, output)
-    return RunLengths(run_lengths(agree, max_k), [max_k] * len(output), [0] * len(output))
+    agree, probs = draft_predictions(pair.draft, prompt, output)
+    return RunLengths(run_lengths(agree, max_k), [max_k] * len(output), [0] * len(output), probs)
 
 
 def assert_rounds_replay(pair, prompts, results, planners, max_new_tokens, config=EngineConfig()) -> int:
@@ -49,7 +51,8 @@ def assert_rounds_replay(pair, prompts, results, planners, max_new_tokens, confi
         lengths = {d: drafter_run_lengths(pair, d, prompt, output, config) for d in names}
         max_new = min(max_new_tokens, pair.max_positions - len(prompt))
         expected = replay_request(planner, lengths, len(output), max_new)
-        assert [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in result.rounds] == [
-            (r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in expected]
+        recorded, replayed = comparable_rounds(
+            [(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in result.rounds], expected)
+        assert recorded == replayed
         checked += len(expected)
     return checked

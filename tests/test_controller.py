@@ -193,3 +193,81 @@ def test_fit_prices_the_jump_from_one_token_to_several():
     assert target.verify_per_token_s == pytest.approx(0.012)
     assert target.verify_s(2, 16) == pytest.approx(0.09 + 0.06 + 0.012)
     assert target.verify_s(1, 16) == target.step_s(16)
+
+
+def test_verify_prices_follow_the_measured_sizes_not_a_line():
+    """Qwen2.5-Coder-1.5B on one CPU thread: 3 tokens cost more than 5, and 17 little more
+    than 9 (small matrix products take a slow path). The cost model interpolates the
+    measured extra seconds per size, so a 16-token round is priced as measured."""
+    from profiler.schema import OpRow
+    from rakv.cost_model import fit_timings
+    step = 0.41
+    measured = {2: 0.90, 3: 1.29, 5: 0.92, 9: 1.06, 17: 1.34}  # seconds of a forward of T tokens at context 16
+    rows = []
+    for model in ("target", "draft"):
+        rows += [OpRow(model, "prefill", n, c, 0, 1000 * n, 0, 0.01 + 0.001 * n) for n in (8, 32) for c in (0, 64)]
+        rows += [OpRow(model, "decode", 1, c, 0, 1000, 0, step) for c in (16, 256)]
+        rows += [OpRow(model, "verify", t, 16, t - 1, 1000, r, s + 0.001 * (r - 1)) for t, s in measured.items()
+                 for r in range(3)]  # three repeats: the median is kept
+    target = fit_timings(rows).target
+    assert target.verify_tokens == (2, 3, 5, 9, 17)
+    for t, seconds in measured.items():
+        assert target.verify_s(t, 16) == pytest.approx(seconds)
+    assert target.verify_s(4, 16) == pytest.approx((1.29 + 0.92) / 2)  # between measured sizes
+    assert target.verify_s(13, 16) == pytest.approx((1.06 + 1.34) / 2)
+    assert target.verify_s(25, 16) == pytest.approx(1.34 + (1.34 - 1.06) / 8 * 8)  # past the last: its slope
+    assert target.verify_s(1, 16) == target.step_s(16)
+
+
+def test_confidence_threshold_follows_the_request_by_hfs_rule():
+    """Among the observed probabilities, the threshold minimising false continues per
+    wrong token + 3 false stops per right token; the start value until 6 samples of both
+    outcomes; kept within CONFIDENCE_RANGE."""
+    from rakv.round_planner import confidence_threshold
+    right = [(0.9, True), (0.8, True), (0.7, True), (0.35, True)]
+    wrong = [(0.3, False), (0.2, False), (0.6, False)]
+    assert confidence_threshold(right[:3] + wrong[:2], 0.4) == 0.4  # 5 samples
+    assert confidence_threshold(right, 0.4) == 0.4  # no wrong token yet
+    # continuing from 0.35 keeps every right token and lets one wrong one (0.6) through:
+    # 1/3 + 0; from 0.7 it stops one right token: 0 + 3/4
+    assert confidence_threshold(right + wrong, 0.4) == 0.35
+    assert confidence_threshold([(0.99, True)] * 6 + [(0.5, False)], 0.4) == 0.9  # capped
+
+
+def test_stopped_rounds_price_a_threshold_that_stops_wrong_tokens():
+    from rakv.round_planner import stop_shares, stopped_rounds
+    costs = [1.0] + [2.0 + 0.25 * k for k in range(1, 17)]
+    progress, same = stopped_rounds(0.9, 0.0, 0.0, costs, 16)
+    assert progress == pytest.approx(progress_by_k(0.9, 16)) and same == pytest.approx(costs)
+    progress, cheaper = stopped_rounds(0.9, 0.05, 0.8, costs, 16)
+    assert progress[16] < progress_by_k(0.9, 16)[16]  # some right tokens are stopped
+    assert cheaper[16] < costs[16] - 0.25 * 6  # but most of the wasted drafting is gone
+    assert progress[16] / cheaper[16] > progress_by_k(0.9, 16)[16] / costs[16]
+    assert stop_shares([(0.9, True), (0.3, True), (0.2, False), (0.6, False)], 0.4) == (0.5, 0.5)
+
+
+def test_rakv_probes_an_unseen_draft_model_then_trusts_what_it_measured():
+    """A prior just too low to speculate (a 10 % loss predicted): with probe_margin the
+    first request readies the draft model; once its acceptance is measured (here poor),
+    the policy decides on the measurement alone. probe_margin 0 (traces written before
+    it existed) never probes."""
+    for prior in [x / 100 for x in range(30, 95)]:
+        ranked = CostModelPolicy(timings(draft_step_s=0.012, prior=prior)).rank(features())
+        if ranked[0][1].k == 0 and any(a.k and c <= ranked[0][0] * 1.1 for c, a in ranked):
+            break
+    policy = CostModelPolicy(timings(draft_step_s=0.012, prior=prior))
+    probe = policy.decide(features())
+    assert probe.k > 0 and probe.drafter == "draft"
+    assert CostModelPolicy(timings(draft_step_s=0.012, prior=prior),
+                           ControllerConfig(probe_margin=0.0)).decide(features()).k == 0
+    policy.observe(RequestOutcome(probe, (AcceptanceCount("draft", 0, 2, 8),)))
+    assert policy.seen == {"draft"} and policy.decide(features()).k == 0
+
+
+def test_settings_written_before_a_field_existed_replay_as_they_ran():
+    from rakv.settings import settings_from_json
+    old = settings_from_json(ControllerConfig, {"ewma_decay": 0.3, "memory_limit_bytes": None, "rounds": {
+        "recency": 0.1, "max_k": 8, "min_gain": 0.25}})
+    assert (old.probe_margin, old.rounds.draft_confidence, old.rounds.shadow_length) == (0.0, 0.0, 8)
+    new = ControllerConfig()
+    assert (new.probe_margin, new.rounds.draft_confidence, new.rounds.shadow_length) == (0.15, 0.4, 16)

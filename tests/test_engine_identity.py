@@ -77,3 +77,33 @@ def test_small_budget_evicts_and_stays_identical(tiny_pair, mix):
         assert list(engine.generate(prompt, MAX_NEW_TOKENS).output_ids) == expected
         assert engine.store.total_bytes <= budget
     assert engine.store.index.num_evictions > 0
+
+
+def test_confidence_stops_and_long_rounds_replay_exactly(tiny_pair, mix):
+    """rakv drafting rounds of up to 16 with the draft model, stopping each proposal after
+    a token the draft gives less than its threshold, which each request then learns:
+    outputs stay greedy, and ``replay_request`` over teacher-forced run lengths and top-1
+    probabilities gives the engine's rounds (where each stopped, what it accepted) and
+    the same learned thresholds."""
+    from rakv.controller import ControllerConfig, make_policy
+    from rakv.cost_model import ModelTimings, PairTimings
+    from rakv.round_planner import PlannerConfig
+
+    def model(step_s):  # flat verification, so a long round costs what a short one does
+        return ModelTimings(prefill_fixed_s=1e-3, prefill_per_token_s=1e-5, prefill_per_token_context_s=0.0,
+                            step_fixed_s=step_s, step_per_context_s=0.0, verify_per_token_s=0.0,
+                            kv_bytes_per_token=1024)
+    timings = PairTimings(model(1e-2), model(1e-5), clone_s_per_byte=1e-12, lookup_s=1e-6,
+                          acceptance_prior=0.9, ngram_lookup_s=1e-6, ngram_acceptance_prior=0.0)
+    # the tiny draft's top-1 probabilities are 0.06-0.2 (10th-90th percentile): a stop at
+    # 0.07 ends about a fifth of the proposals early
+    policy = make_policy("rakv", timings, ControllerConfig(rounds=PlannerConfig(draft_confidence=0.07)))
+    prompts, max_new = mix[0][:12], 40
+    results, planners = run_mix(tiny_pair, policy, prompts, max_new)
+    for prompt, result in zip(prompts, results):
+        assert list(result.output_ids) == hf_greedy(tiny_pair, prompt, max_new)
+    rounds = [r for result in results for r in result.rounds if r.drafter == "draft"]
+    assert any(r.k > 8 and r.num_proposed > 8 for r in rounds), "no round drafted more than 8"
+    assert any(r.num_proposed < r.k for r in rounds), "no proposal stopped on low confidence"
+    assert assert_rounds_replay(tiny_pair, prompts, results, planners, max_new) >= len(rounds)
+    assert any(p.confidence != 0.07 for p in planners), "no request learned its own threshold"  # replayed planners

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import policy_for
 from engine_checks import drafter_run_lengths
+from rakv.round_planner import MAX_DRAFT_LENGTH
 from prompt_mix import prompt_mix
 from rakv.calibrate import load_or_calibrate
 from rakv.controller import ControllerConfig
@@ -26,7 +27,8 @@ def recorded(pair, request_id: int, prompt: list[int], output: list[int]) -> Rec
     """What a trace would hold of one request: tokens and each drafter's run lengths."""
     lengths = {d: drafter_run_lengths(pair, d, prompt, output) for d in (DRAFT_MODEL, NGRAM)}
     return RecordedRequest(request_id, "g", 0, 0.0, tuple(prompt), tuple(output), MAX_NEW_TOKENS, lengths,
-                           8, (), np.array(prompt + output, dtype=np.int64))
+                           MAX_DRAFT_LENGTH, tuple(lengths[DRAFT_MODEL].top1_probs),
+                           np.array(prompt + output, dtype=np.int64))
 
 
 @pytest.mark.parametrize("policy_name, mode, budget_bytes", [
