@@ -41,7 +41,7 @@ def fixed_policy_names(draft_model: bool = True) -> tuple[str, ...]:
 FIXED_POLICIES = fixed_policy_names()
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class RequestOutcome:
     """What a policy learns from a finished request."""
 

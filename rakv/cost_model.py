@@ -82,7 +82,7 @@ class ModelTimings:
     # Measured seconds a forward of T >= 2 tokens takes over a one-token step, per T in
     # ``verify_tokens``. Where present they replace the line above, interpolated: the cost
     # of T tokens need not be linear, nor even increasing, in T (Qwen2.5-Coder-1.5B on one
-    # CPU thread: 2.2 steps for 2 tokens, 3.2 for 3, 2.3 for 5, 2.6 for 9, 3.3 for 17;
+    # CPU thread: 2.0 steps for 2 tokens, 2.9 for 3, 2.2 for 5, 2.7 for 9, 3.3 for 17;
     # small matrix products take a slow path), and the line made long rounds look dear.
     verify_tokens: tuple[int, ...] = ()
     verify_extra_s: tuple[float, ...] = ()

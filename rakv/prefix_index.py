@@ -70,7 +70,7 @@ class Entry:
         return len(self.token_ids)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class Hit:
     entry: Entry
     num_tokens: int  # exact longest common prefix with the query, >= 1

@@ -31,7 +31,7 @@ from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class AcceptanceCount:
     """Geometric trials of one drafter under one signal in one request: every accepted
     token is a success; a proposal that stopped short of its verified length ended on a

@@ -106,7 +106,7 @@ class Stored:
     tensors: object = None
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class PrefixMatch:
     """A prompt's longest stored prefix in one namespace (not yet touched)."""
 
@@ -120,13 +120,13 @@ class PrefixMatch:
         return self.has_logits
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class Reuse:
     reused_tokens: int
     hit_kind: str  # one of HIT_KINDS
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class InsertPlan:
     """What an insert does (see the module docstring): ``touch`` the held entry ``base``;
     ``merge`` into ``base`` (its tokens and KV, the merged logits rows); or a ``new`` entry
@@ -140,7 +140,7 @@ class InsertPlan:
     num_bytes: int
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class StoreOutcome:
     """What one request did to the store."""
 

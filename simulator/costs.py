@@ -165,7 +165,7 @@ class Overhead:
     adaptive_iteration_s: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class RequestCost:
     ttft_s: float  # service time to the first token (no queueing)
     e2e_s: float  # service time of the whole request

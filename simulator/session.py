@@ -26,7 +26,7 @@ from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
 from simulator.trace import RecordedRequest, Trace
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class ReplayedRequest:
     request_id: int
     action: Action

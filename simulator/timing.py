@@ -10,6 +10,7 @@ counts that machine's bytes per token.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,7 +38,11 @@ class Timing:
 
     def decision_inputs(self, trace: Trace) -> DecisionInputs:
         """What the replay's engine decides with: the acceptance trace's inputs, on this
-        timing's machine (its calibration and bytes per token) when it is another's."""
+        timing's machine (its calibration and bytes per token) when it is another's;
+        rounds clipped to the run lengths the trace holds (``clip_rounds``)."""
+        return clip_rounds(self._machine_inputs(trace), trace)
+
+    def _machine_inputs(self, trace: Trace) -> DecisionInputs:
         inputs = trace.require_inputs()
         if self.own:
             return inputs
@@ -48,6 +53,20 @@ class Timing:
         if self.inputs is not None:
             inputs = replace(inputs, target_sizes=self.inputs.target_sizes, draft_sizes=self.inputs.draft_sizes)
         return replace(inputs, timings=timings or inputs.timings)
+
+
+def clip_rounds(inputs: DecisionInputs, trace: Trace) -> DecisionInputs:
+    """``inputs`` with the planner's rounds no longer than every request's run lengths
+    reach (a trace recorded before rounds of 16 holds 8), with a warning: such a replay is
+    exact for the clipped planner, not for one drafting longer."""
+    held = min((r.max_k for r in trace.requests if r.lengths), default=None)
+    rounds = inputs.controller.rounds
+    if held is None or held >= rounds.max_k:
+        return inputs
+    warnings.warn(f"{trace.path.name}: run lengths reach {held} tokens; the planner's rounds are clipped from "
+                  f"{rounds.max_k} to {held}", stacklevel=2)
+    clipped = replace(rounds, max_k=held, shadow_length=min(rounds.shadow_length, held))
+    return replace(inputs, controller=replace(inputs.controller, rounds=clipped))
 
 
 def shape_of(meta: TraceMeta) -> dict:

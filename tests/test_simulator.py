@@ -173,3 +173,18 @@ def test_command_line_imports_no_torch(trace):
     proc = subprocess.run([sys.executable, "-c", code, str(trace)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_rounds_are_clipped_to_the_run_lengths_a_trace_holds(trace):
+    """A trace whose requests hold run lengths to 8 (recorded before rounds of 16) replays
+    with the planner's rounds clipped to 8, and says so."""
+    from simulator.timing import clip_rounds
+    trace = load_trace(trace)
+    inputs = trace.require_inputs()
+    assert clip_rounds(inputs, trace) is inputs  # recordings hold 32
+    longer = replace(inputs, controller=replace(inputs.controller, rounds=replace(
+        inputs.controller.rounds, max_k=16, shadow_length=16)))
+    short = replace(trace, requests=tuple(replace(r, max_k=8) for r in trace.requests))
+    with pytest.warns(UserWarning, match="clipped from 16 to 8"):
+        clipped = clip_rounds(longer, short)
+    assert (clipped.controller.rounds.max_k, clipped.controller.rounds.shadow_length) == (8, 8)
