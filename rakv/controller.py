@@ -82,9 +82,10 @@ class ControllerConfig:
     # Until the policy has seen the draft model draft, its acceptance is the calibration's
     # prior (code, prose and chat averaged), which can keep it off a workload where it
     # pays (Qwen2.5-Coder on code: prior 0.81, true 0.91). So while unseen, an action
-    # readying it is taken if it is predicted within this fraction of the cheapest: the
-    # request probes it, its rounds stop drafting if it does badly, and the running
-    # estimate is then measured. 0: never probe.
+    # readying it is taken if it is predicted within this fraction of the cheapest, and
+    # the request's first round drafts with it (``AdaptiveRounds`` ``probe``): the running
+    # estimate is then measured, and the rounds after it follow the request's own
+    # acceptance. 0: never probe.
     probe_margin: float = 0.15
     ABSENT_MEANS: ClassVar[dict] = {"probe_margin": 0.0}  # in traces written before it existed
 
@@ -151,8 +152,10 @@ class CostModelPolicy:
         if max_k != config.max_k:
             config = replace(config, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
+        probe = (DRAFT_MODEL if self.config.probe_margin > 0 and DRAFT_MODEL in drafters
+                 and DRAFT_MODEL not in self.seen else None)
         return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
-                              self.round_costs_at(drafters, config.max_k, decode_context(features)), config)
+                              self.round_costs_at(drafters, config.max_k, decode_context(features)), config, probe)
 
     def round_costs_at(self, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
         """``round_costs``, computed once per argument set (requests repeat their lengths)."""

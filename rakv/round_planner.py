@@ -218,8 +218,12 @@ class AdaptiveRounds:
     """
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
-                 fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig()):
+                 fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig(),
+                 probe: str | None = None):
+        """``probe``: a drafter whose acceptance the policy has not measured; the first
+        round drafts with it, at its best-priced k, whatever the margin."""
         self.drafters = drafters
+        self._probe = probe
         self.config = config
         self.shadowed = tuple(d for d in drafters if d == NGRAM)
         self.acceptance = dict(priors)  # (drafter, signal) -> per-token acceptance, this request
@@ -248,6 +252,10 @@ class AdaptiveRounds:
         return initial_estimate(drafter, signal, self.fallback[drafter])
 
     def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
+        if self._probe is not None:
+            drafter, self._probe = self._probe, None
+            progress, costs = self._priced(drafter, signals[drafter])
+            return drafter, max(range(1, self._max_k + 1), key=lambda k: progress[k] / costs[k])
         best_rate, best = self._plain_rate, self._plain
         for drafter in self.drafters:
             signal = signals[drafter]
@@ -256,17 +264,21 @@ class AdaptiveRounds:
                 a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
             if a <= self._hopeless[drafter]:
                 continue  # no round of this drafter can win (see __init__)
-            costs = self.costs_s[drafter]
-            if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
-                progress, costs = stopped_rounds(a, *self._stop_shares, costs, self._max_k)
-            else:
-                progress = progress_by_k(a, self._max_k)
+            progress, costs = self._priced(drafter, signal, a)
             beat = best_rate * (1 + 1e-9)
             for k in range(1, self._max_k + 1):
                 rate = progress[k] / costs[k]
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
+
+    def _priced(self, drafter: str, signal: int, a: float | None = None) -> tuple[list[float], Sequence[float]]:
+        """(E_k, seconds of a round) for k = 0..max_k of ``drafter`` under ``signal``."""
+        if a is None:
+            a = self.estimate(drafter, signal)
+        if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
+            return stopped_rounds(a, *self._stop_shares, self.costs_s[drafter], self._max_k)
+        return progress_by_k(a, self._max_k), self.costs_s[drafter]
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
                 probs: Sequence[float] = ()) -> None:

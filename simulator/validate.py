@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from profiler.schema import TraceError
+from rakv.drafters import DRAFT_MODEL
 from rakv.cli import run_cli
 from simulator.costs import CostModelError, fit_op_costs, fit_overhead, with_overhead
 from simulator.session import SessionError, replay_runs, run_mismatch
@@ -69,13 +70,17 @@ def spearman(a, b) -> float:
 
 
 def rounds_off_min_k_mt(run, request) -> int:
-    """How many of a run's recorded rounds did not accept min(k, m_t) and propose
-    min(k, proposal length at t) of their drafter (section 2 of the design: none may)."""
+    """How many of a run's recorded rounds did not accept min(proposed, m_t) of their
+    drafter, or proposed other than min(k, proposal length at t) (section 2 of the
+    design: none may). Only the draft model may propose fewer: it stops on low
+    confidence (whether it should have is ``run_mismatch``'s check)."""
     off = 0
     for start, drafter, k, proposed, accepted in zip(run.start_per_round, run.drafter_per_round, run.k_per_round,
                                                      run.proposed_per_round, run.accepted_per_round):
         at = request.lengths[drafter]
-        off += (proposed, accepted) != (min(k, at.proposed[start]), min(k, at.runs[start]))
+        full = min(k, at.proposed[start])
+        off += (accepted != min(proposed, at.runs[start]) or proposed > full
+                or (proposed < full and drafter != DRAFT_MODEL))
     return off
 
 

@@ -258,6 +258,9 @@ def test_rakv_probes_an_unseen_draft_model_then_trusts_what_it_measured():
     policy = CostModelPolicy(timings(draft_step_s=0.012, prior=prior))
     probe = policy.decide(features())
     assert probe.k > 0 and probe.drafter == "draft"
+    planner = policy.planner(features(), probe)
+    first, second = planner.plan({"draft": 0, "ngram": 0}), planner.plan({"draft": 0, "ngram": 0})
+    assert first[0] == "draft" and first[1] > 0 and second[1] == 0  # one probing round, then the margin rules
     assert CostModelPolicy(timings(draft_step_s=0.012, prior=prior),
                            ControllerConfig(probe_margin=0.0)).decide(features()).k == 0
     policy.observe(RequestOutcome(probe, (AcceptanceCount("draft", 0, 2, 8),)))
