@@ -13,7 +13,7 @@ issue): ``rakv`` / HF assisted >= 1.2 on code and >= 1.0 on prose, and ``rakv`` 
 of the best fixed policy on each workload; with smollm2, ``rakv`` not slower than ``ar``
 on prose.
 
-``--profile`` runs one HumanEval prompt under a fixed policy and under HF assisted, and
+``--profile`` runs one prompt (the first HumanEval one) under a policy and HF assisted, and
 splits each request's wall time into draft-model forwards, target forwards, cache
 rollback (crop), prompt lookup and the rest (Python between forwards).
 """
@@ -28,49 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.engine import fresh_engine, hf_generate, timed
+from bench.prompt_lookup import Row, Tally
 
 GOAL_CODE_VS_ASSISTED = 1.2
 GOAL_PROSE_VS_ASSISTED = 1.0
 GOAL_FIXED_SLACK = 0.02
-
-
-@dataclass(frozen=True)
-class Row:
-    workload: str
-    config: str
-    num_requests: int
-    generated_tokens: int
-    wall_s: float
-    mismatches: int
-    acceptance: float | None  # accepted / proposed draft tokens over all rounds (engine only)
-    mean_proposed: float | None  # draft tokens proposed per round (engine only)
-    actions: str
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s
-
-
-@dataclass
-class Tally:
-    generated_tokens: int = 0
-    wall_s: float = 0.0
-    mismatches: int = 0
-    accepted: int = 0
-    proposed: int = 0
-    num_rounds: int = 0
-    actions: Counter = field(default_factory=Counter)
-
-    def add(self, output: list[int], seconds: float, reference: list[int] | None) -> None:
-        self.generated_tokens += len(output)
-        self.wall_s += seconds
-        self.mismatches += int(reference is not None and output != reference)
-
-    def row(self, workload: str, config: str, num_requests: int, engine: bool) -> Row:
-        return Row(workload, config, num_requests, self.generated_tokens, self.wall_s, self.mismatches,
-                   self.accepted / self.proposed if engine and self.proposed else None,
-                   self.proposed / self.num_rounds if engine and self.num_rounds else None,
-                   " ".join(f"{a}x{c}" for a, c in self.actions.items()))
 
 
 def workloads(pair, num_code: int, num_prose: int) -> dict[str, list[list[int]]]:
@@ -90,14 +52,7 @@ def run_workload(pair, workload: str, prompts: list[list[int]], policies: list[s
     for i, prompt in enumerate(prompts):
         reference = None
         for name, engine in engines.items():
-            result = engine.generate(prompt, max_new_tokens)
-            output = list(result.output_ids)
-            tally = tallies[name]
-            tally.add(output, result.e2e_s, reference)
-            tally.accepted += sum(r.accepted for r in result.rounds)
-            tally.proposed += sum(r.num_proposed for r in result.rounds)
-            tally.num_rounds += len(result.rounds)
-            tally.actions[str(result.action)] += 1
+            output = tallies[name].add_result(engine.generate(prompt, max_new_tokens), reference)
             reference = reference or output
         for name, kwargs in peers.items():
             output, seconds = timed(lambda: hf_generate(pair, prompt, len(reference), **kwargs))
@@ -221,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed", default="spec-k4,spec-k8",
                    help="fixed policies to run; the best is rakv's bar (default: spec-k4,spec-k8)")
     p.add_argument("--profile", metavar="POLICY", nargs="?", const="joint-k4", default=None,
-                   help="profile one HumanEval request under POLICY (default joint-k4) and HF assisted instead")
+                   help="profile the first request under POLICY (default joint-k4) and HF assisted instead")
     p.add_argument("--json", type=Path, default=None, help="also write the rows and verdicts as JSON")
     args = p.parse_args(argv)
     try:
@@ -236,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         fixed = [name.strip() for name in args.fixed.split(",") if name.strip()]
         hf_generate(pair, prompts["code"][0][:16] if prompts["code"] else pair.encode("Warm up."), 4, assisted=True)
         if args.profile:
-            for part in profile(pair, prompts["code"][0], args.profile, args.max_new_tokens):
+            first = next((p[0] for p in prompts.values() if p), None)
+            if first is None:
+                raise ValueError("--profile needs a prompt: --code or --prose at least 1")
+            for part in profile(pair, first, args.profile, args.max_new_tokens):
                 print("\n".join(part.lines()))
             return 0
         timings = load_or_calibrate(pair)

@@ -37,6 +37,7 @@ class Row:
     mismatches: int
     acceptance: float | None  # accepted / proposed draft tokens (engine) over all rounds
     actions: str
+    mean_proposed: float | None = None  # draft tokens proposed per round (engine)
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,6 +62,7 @@ class Tally:
     mismatches: int = 0
     accepted: int = 0
     proposed: int = 0
+    num_rounds: int = 0
     actions: Counter = field(default_factory=Counter)
 
     def add(self, output: list[int], seconds: float, reference: list[int] | None) -> None:
@@ -68,11 +70,21 @@ class Tally:
         self.wall_s += seconds
         self.mismatches += int(reference is not None and output != reference)
 
+    def add_result(self, result, reference: list[int] | None) -> list[int]:
+        """An engine's ``RequestResult``; returns its output."""
+        output = list(result.output_ids)
+        self.add(output, result.e2e_s, reference)
+        self.accepted += sum(r.accepted for r in result.rounds)
+        self.proposed += sum(r.num_proposed for r in result.rounds)
+        self.num_rounds += len(result.rounds)
+        self.actions[str(result.action)] += 1
+        return output
+
     def row(self, workload: str, config: str, num_requests: int, engine: bool) -> Row:
         acceptance = self.accepted / self.proposed if engine and self.proposed else None
         actions = " ".join(f"{a}x{c}" for a, c in self.actions.items())
         return Row(workload, config, num_requests, self.generated_tokens, self.wall_s, self.mismatches,
-                   acceptance, actions)
+                   acceptance, actions, self.proposed / self.num_rounds if engine and self.num_rounds else None)
 
 
 def run_workload(pair, workload: str, prompts: list[list[int]], args, timings) -> list[Row]:
@@ -89,13 +101,7 @@ def run_workload(pair, workload: str, prompts: list[list[int]], args, timings) -
             prompt = prompt + first[0] + pair.encode_continuation(REVISE)
         reference = None
         for name, engine in engines.items():
-            result = engine.generate(prompt, args.max_new_tokens)
-            output = list(result.output_ids)
-            tally = tallies[name]
-            tally.add(output, result.e2e_s, reference)
-            tally.accepted += sum(r.accepted for r in result.rounds)
-            tally.proposed += sum(r.num_proposed for r in result.rounds)
-            tally.actions[str(result.action)] += 1
+            output = tallies[name].add_result(engine.generate(prompt, args.max_new_tokens), reference)
             reference = reference or output
         for lookup in HF_LOOKUP_TOKENS:
             kwargs = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}

@@ -104,3 +104,21 @@ def test_subprocess_exit_code_and_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown policy 'nope'")
     assert "Traceback" not in proc.stderr
+
+
+def test_assisted_bench_and_profile_run_on_the_tiny_pair(capsys):
+    """The speculation bench's two modes, end to end on the tiny pair (one prose prompt):
+    every config's output equals ar's, and the profile splits the time of both requests."""
+    import torch
+    from bench.assisted import main as assisted
+    threads = torch.get_num_threads()  # the bench runs at 1 thread; the tests after it should not
+    try:
+        assert assisted(["--pair", "tiny", "--code", "0", "--prose", "1", "--max-new-tokens", "8",
+                         "--fixed", "spec-k4"]) == 0
+        out = capsys.readouterr().out
+        assert "rakv / hf assisted" in out and "hf assisted" in out
+        assert assisted(["--pair", "tiny", "--code", "0", "--prose", "1", "--max-new-tokens", "8", "--profile"]) == 0
+        out = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert "engine joint-k4" in out and "target forward" in out and "draft forward" in out
