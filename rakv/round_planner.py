@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
-from rakv.cost_model import K_CHOICES, PairTimings, progress_by_k, round_s
+from rakv.cost_model import PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
 
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
