@@ -125,7 +125,7 @@ def timed_model(model, breakdown: Breakdown, label: str):
             model.register_forward_hook(after, with_kwargs=True))
 
 
-def profile(pair, prompt: list[int], policy: str, max_new_tokens: int) -> list[Breakdown]:
+def profile(pair, prompt: list[int], policy: str, max_new_tokens: int, timings=None) -> list[Breakdown]:
     """One request under ``policy`` and under HF assisted, each split by ``timed_model``,
     plus the engine's cache crops and prompt lookups."""
     import rakv.decoding
@@ -144,7 +144,7 @@ def profile(pair, prompt: list[int], policy: str, max_new_tokens: int) -> list[B
         engine_parts.add("prompt lookup (n-gram)", time.perf_counter() - start)
         return value
 
-    engine = fresh_engine(pair, policy, store_mode="off")
+    engine = fresh_engine(pair, policy, store_mode="off", timings=timings)
     hooks = [*timed_model(pair.target, engine_parts, "target"), *timed_model(pair.draft, engine_parts, "draft")]
     rakv.decoding.crop_to, rakv.drafters.ngram_match = crop, lookup
     try:
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             first = next((p[0] for p in prompts.values() if p), None)
             if first is None:
                 raise ValueError("--profile needs a prompt: --code or --prose at least 1")
-            for part in profile(pair, first, args.profile, args.max_new_tokens):
+            timings = load_or_calibrate(pair) if args.profile == "rakv" else None
+            for part in profile(pair, first, args.profile, args.max_new_tokens, timings):
                 print("\n".join(part.lines()))
             return 0
         timings = load_or_calibrate(pair)

@@ -119,6 +119,9 @@ def test_assisted_bench_and_profile_run_on_the_tiny_pair(capsys):
         assert "rakv / hf assisted" in out and "hf assisted" in out
         assert assisted(["--pair", "tiny", "--code", "0", "--prose", "1", "--max-new-tokens", "8", "--profile"]) == 0
         out = capsys.readouterr().out
+        assert assisted(["--pair", "tiny", "--code", "0", "--prose", "1", "--max-new-tokens", "8",
+                         "--profile", "rakv"]) == 0
+        assert "engine rakv" in capsys.readouterr().out
     finally:
         torch.set_num_threads(threads)
     assert "engine joint-k4" in out and "target forward" in out and "draft forward" in out
