@@ -14,7 +14,9 @@ simulator call the same functions.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -101,21 +103,19 @@ class ModelTimings:
         if num_tokens <= 1:
             return self.step_s(num_context)
         if self.verify_tokens:
-            return self.step_s(num_context) + _interpolate((1, *self.verify_tokens), (0.0, *self.verify_extra_s),
-                                                           num_tokens)
+            return self.step_s(num_context) + interpolate((1, *self.verify_tokens), (0.0, *self.verify_extra_s),
+                                                          num_tokens)
         return self.step_s(num_context) + self.verify_fixed_s + self.verify_per_token_s * (num_tokens - 1)
 
 
-def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
-    """Piecewise linear through (xs, ys) (xs increasing); past the last point the last
-    segment's slope continues, never decreasing."""
-    for i in range(1, len(xs)):
-        if x <= xs[i] or i == len(xs) - 1:
-            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-            if x > xs[i]:
-                slope = max(slope, 0.0)
-            return ys[i - 1] + slope * (x - xs[i - 1])
-    return ys[0]
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """y(x) through the points (xs increasing): linear between them and along the end
+    segments beyond, never below 0 (the simulator's op curves too)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(ys[i] + slope * (x - xs[i]), 0.0)
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ What the ops do not see (Python per request, per iteration and per round) is
 """
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Sequence
 
+from rakv.cost_model import interpolate
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.op_timing import OpRow
 from rakv.settings import DecisionInputs
@@ -50,12 +50,7 @@ class Curve:
         return y
 
     def _at(self, x: float) -> float:
-        xs, ys = self.xs, self.ys
-        if len(xs) == 1:
-            return ys[0]
-        i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
-        slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
-        return max(ys[i] + slope * (x - xs[i]), 0.0)
+        return interpolate(self.xs, self.ys, x)
 
 
 @dataclass(frozen=True)
