@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from policy.dataset import SPLITS, build_groups, split_families
@@ -85,10 +85,15 @@ def groups_of(trace, timing, controller: ControllerConfig | None, resample: int,
     return groups + (build_groups(trace, timing, controller, resample, seed + 1) if resample else [])
 
 
+def controller_config(ewma_decay: float, min_gain: float) -> ControllerConfig:
+    """The controller settings a trial tunes; the rest are the defaults."""
+    return ControllerConfig(ewma_decay=ewma_decay, rounds=PlannerConfig(min_gain=min_gain))
+
+
 def controller_of(trial) -> ControllerConfig:
     # on a grid: each setting's labels are simulated once, however many trials draw it
-    return ControllerConfig(ewma_decay=trial.suggest_float("ewma_decay", 0.05, 0.6, step=0.05),
-                            rounds=PlannerConfig(min_gain=trial.suggest_float("min_gain", 0.0, 0.5, step=0.05)))
+    return controller_config(trial.suggest_float("ewma_decay", 0.05, 0.6, step=0.05),
+                             trial.suggest_float("min_gain", 0.0, 0.5, step=0.05))
 
 
 def params_of(trial) -> tuple[str, dict, int]:
@@ -178,8 +183,7 @@ def tune(data: Data, storage: str, name: str, trials: int, seed: int):
 def export(data: Data, study, out: Path, seed: int) -> dict:
     """Refit the best trial on train and validation, measure it on test, write the policy."""
     best = study.best_trial
-    controller = ControllerConfig(ewma_decay=best.params["ewma_decay"],
-                                  rounds=replace(PlannerConfig(), min_gain=best.params["min_gain"]))
+    controller = controller_config(best.params["ewma_decay"], best.params["min_gain"])
     splits = data.splits(controller)
     kind = best.params["kind"]
     params = {k: best.params[k] for k in ("num_leaves", "learning_rate", "min_data_in_leaf", "feature_fraction",

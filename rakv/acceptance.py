@@ -59,8 +59,8 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     rounds: list[ReplayedRound] = []
     if not planner.drafters:
         return rounds  # plain steps only, and nothing to observe
-    signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
     by_drafter = {d: (lengths[d].proposed, lengths[d].runs, lengths[d].signals) for d in planner.drafters}
+    signal_lists = [(d, signals_of_d) for d, (_, _, signals_of_d) in by_drafter.items()]
     shadows = [(d, *by_drafter[d]) for d in planner.shadowed]
     shadow_length = planner.shadow_length if shadows else 0
     top1_probs = lengths[DRAFT_MODEL].top1_probs if DRAFT_MODEL in lengths else None
@@ -79,16 +79,13 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
         if k > 0:
             proposed, runs, drafter_signals = by_drafter[drafter]
             threshold = planner.confidence if drafter == DRAFT_MODEL else 0.0
-            if threshold > 0:
-                rnd = _confident_round(t, k, runs[t], top1_probs, threshold, num_output)
-                appended = min(rnd.accepted + 1, num_output - t)
-                observe(drafter, drafter_signals[t], rnd.num_proposed, rnd.accepted,
-                        top1_probs[t:t + min(rnd.num_proposed, appended)])
-            else:
-                rnd = ReplayedRound(t, drafter, k, min(k, proposed[t]), min(k, runs[t]))
-                appended = min(rnd.accepted + 1, num_output - t)
-                observe(drafter, drafter_signals[t], rnd.num_proposed, rnd.accepted)
+            rnd = (_confident_round(t, k, runs[t], top1_probs, threshold, num_output) if threshold > 0
+                   else ReplayedRound(t, drafter, k, min(k, proposed[t]), min(k, runs[t])))
             rounds.append(rnd)
+            appended = min(rnd.accepted + 1, num_output - t)
+            # the engine reports the probabilities of the output positions the round covers
+            probs = top1_probs[t:t + min(rnd.num_proposed, appended)] if threshold > 0 else ()
+            observe(drafter, drafter_signals[t], rnd.num_proposed, rnd.accepted, probs)
         for shadow, proposed, runs, shadow_signals in shadows:
             if proposed[t] and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing
                 checked = min(proposed[t], shadow_length, appended)

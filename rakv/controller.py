@@ -113,7 +113,7 @@ class CostModelPolicy:
     def decide(self, features: RequestFeatures) -> Action:
         priced = self.priced(features)
         best = min(priced)  # rank's first, without sorting the rest
-        if self.config.probe_margin > 0 and DRAFT_MODEL in self.drafters and DRAFT_MODEL not in self.seen:
+        if self._probing():
             probes = [p for p in priced if p[3].k and p[3].drafter == DRAFT_MODEL
                       and p[0] <= best[0] * (1 + self.config.probe_margin)]
             if probes:
@@ -152,10 +152,13 @@ class CostModelPolicy:
         if max_k != config.max_k:
             config = replace(config, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
-        probe = (DRAFT_MODEL if self.config.probe_margin > 0 and DRAFT_MODEL in drafters
-                 and DRAFT_MODEL not in self.seen else None)
+        probe = DRAFT_MODEL if self._probing() and DRAFT_MODEL in drafters else None
         return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
                               self.round_costs_at(drafters, config.max_k, decode_context(features)), config, probe)
+
+    def _probing(self) -> bool:
+        """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""
+        return self.config.probe_margin > 0 and DRAFT_MODEL in self.drafters and DRAFT_MODEL not in self.seen
 
     def round_costs_at(self, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
         """``round_costs``, computed once per argument set (requests repeat their lengths)."""
