@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 GOAL_DECIDE_US = 100.0
 
@@ -45,6 +46,7 @@ def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, ma
     import torch
     torch.set_num_threads(1)
     from policy.learned import learned_or_fallback
+    from profiler.record import prompt_ids
     from profiler.workloads import load_workload
     from rakv.calibrate import load_or_calibrate
     from rakv.controller import make_policy
@@ -57,24 +59,18 @@ def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, ma
                                                            pair.draft_fingerprint, strict=True))}
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
-    outputs: dict[int, list] = {}
+    done: dict[int, SimpleNamespace] = {}  # by request id: prompt_ids and output_ids, as a recording keeps them
     mismatches = 0
     requests = load_workload(workload, num_requests).requests
     for request in requests:
-        prompt = None
+        prompt = prompt_ids(pair, request, max_new_tokens, done)  # a revision turn continues an earlier answer
         for name, engine in engines.items():
-            if prompt is None:
-                if request.continues is not None:
-                    earlier_prompt, earlier_output = outputs[request.continues]
-                    prompt = earlier_prompt + earlier_output + pair.encode_continuation(request.prompt)
-                else:
-                    prompt = pair.encode(request.prompt)
             result = engine.generate(prompt, max_new_tokens)
             tokens[name] += len(result.output_ids)
             seconds[name] += result.e2e_s
-            if request.request_id in outputs and name != "rakv":
-                mismatches += list(result.output_ids) != outputs[request.request_id][1]
-            outputs.setdefault(request.request_id, (prompt, list(result.output_ids)))
+            if request.request_id in done:
+                mismatches += list(result.output_ids) != done[request.request_id].output_ids
+            done.setdefault(request.request_id, SimpleNamespace(prompt_ids=prompt, output_ids=list(result.output_ids)))
         print(f"  request {request.request_id}: " + ", ".join(f"{n} {tokens[n] / seconds[n]:.2f} tok/s" for n in engines),
               file=sys.stderr)
     return {"tokens_per_s": {n: tokens[n] / seconds[n] for n in engines}, "mismatches": mismatches,

@@ -116,7 +116,8 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
 
 
 def prompt_ids(pair, request, max_new: int, recorded: dict[int, RequestRow]) -> list[int]:
-    """The request's prompt as token ids, cut to leave room for ``max_new`` tokens."""
+    """The request's prompt as token ids, cut to leave room for ``max_new`` tokens;
+    ``recorded``: the earlier requests by id (their ``prompt_ids`` and ``output_ids``)."""
     if request.continues is not None:  # the earlier turn's prompt and the model's own answer, then this text
         earlier = recorded[request.continues]
         ids = list(earlier.prompt_ids) + list(earlier.output_ids) + pair.encode_continuation(request.prompt)
