@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench.engine import fresh_engine, hf_generate, timed
 from bench.prompt_lookup import Row, Tally
+from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
 GOAL_CODE_VS_ASSISTED = 1.2
 GOAL_PROSE_VS_ASSISTED = 1.0
@@ -43,27 +44,41 @@ def workloads(pair, num_code: int, num_prose: int) -> dict[str, list[list[int]]]
 
 
 def run_workload(pair, workload: str, prompts: list[list[int]], policies: list[str], timings,
-                 max_new_tokens: int) -> list[Row]:
+                 max_new_tokens: int) -> tuple[list[Row], int]:
     """Each prompt under every config before the next; a fresh engine per config, so the
-    store only holds this workload's earlier prompts."""
+    store only holds this workload's earlier prompts. Hugging Face runs on PyTorch's stock
+    kernels (as a user loads it), and again on the engine's packed ones when they differ.
+    Engine outputs are checked against ``ar``; stock-kernel HF outputs against stock HF
+    ``generate``, since float rounding differs between kernels. Returns the rows and the
+    number of prompts whose stock HF output differs from ``ar``'s."""
+    from rakv.cpu_linear import STOCK, stock_linears
     engines = {name: fresh_engine(pair, name, timings=timings if name == "rakv" else None) for name in policies}
     peers = {"hf generate": {}, "hf assisted": {"assisted": True}}
-    tallies = {name: Tally() for name in (*policies, *peers)}
+    same_kernels = {} if pair.linear_kernels == STOCK else {f"{n} ({pair.linear_kernels})": kw for n, kw in peers.items()}
+    tallies = {name: Tally() for name in (*policies, *peers, *same_kernels)}
+    kernel_diffs = 0
     for i, prompt in enumerate(prompts):
         reference = None
         for name, engine in engines.items():
             output = tallies[name].add_result(engine.generate(prompt, max_new_tokens), reference)
             reference = reference or output
-        for name, kwargs in peers.items():
+        stock_reference = None
+        with stock_linears(pair.target, pair.draft):
+            for name, kwargs in peers.items():
+                output, seconds = timed(lambda: hf_generate(pair, prompt, len(reference), **kwargs))
+                tallies[name].add(list(output), seconds, stock_reference)
+                stock_reference = stock_reference or list(output)
+        kernel_diffs += stock_reference != reference
+        for name, kwargs in same_kernels.items():
             output, seconds = timed(lambda: hf_generate(pair, prompt, len(reference), **kwargs))
             tallies[name].add(list(output), seconds, reference)
         line = "  ".join(f"{n} {t.generated_tokens / t.wall_s:.2f}" for n, t in tallies.items())
         print(f"  {workload} {i + 1}/{len(prompts)}: {line}", file=sys.stderr, flush=True)
-    return [tallies[n].row(workload, n, len(prompts), engine=n in engines) for n in tallies]
+    return [tallies[n].row(workload, n, len(prompts), engine=n in engines) for n in tallies], kernel_diffs
 
 
 def report(rows: list[Row], fixed: list[str]) -> tuple[str, dict]:
-    lines = [f"{'workload':8} {'config':14} {'tok/s':>7} {'vs ar':>6} {'vs hf-asst':>10} {'accept':>7} "
+    lines = [f"{'workload':8} {'config':20} {'tok/s':>7} {'vs ar':>6} {'vs hf-asst':>10} {'accept':>7} "
              f"{'prop/rnd':>8} {'mism':>4}  actions"]
     verdicts = {}
     for workload in dict.fromkeys(r.workload for r in rows):
@@ -72,18 +87,24 @@ def report(rows: list[Row], fixed: list[str]) -> tuple[str, dict]:
         for r in group.values():
             acc = "" if r.acceptance is None else f"{r.acceptance:.3f}"
             prop = "" if r.mean_proposed is None else f"{r.mean_proposed:.2f}"
-            lines.append(f"{workload:8} {r.config:14} {r.tokens_per_s:7.2f} {r.tokens_per_s / ar:6.2f} "
+            lines.append(f"{workload:8} {r.config:20} {r.tokens_per_s:7.2f} {r.tokens_per_s / ar:6.2f} "
                          f"{r.tokens_per_s / assisted:10.2f} {acc:>7} {prop:>8} {r.mismatches:4}  {r.actions}")
         rakv = group["rakv"].tokens_per_s
         best_fixed = max((group[n] for n in ("ar", *fixed)), key=lambda r: r.tokens_per_s)
         verdicts[workload] = {"rakv_vs_assisted": rakv / assisted, "rakv_vs_ar": rakv / ar,
                               "best_fixed": best_fixed.config, "rakv_vs_best_fixed": rakv / best_fixed.tokens_per_s}
+        same = next((r for name, r in group.items() if name.startswith("hf assisted (")), None)
+        if same is not None:
+            verdicts[workload]["rakv_vs_assisted_same_kernels"] = rakv / same.tokens_per_s
         goal = GOAL_CODE_VS_ASSISTED if workload == "code" else GOAL_PROSE_VS_ASSISTED
         vs_fixed = rakv / best_fixed.tokens_per_s
         lines.append(f"{workload:8} rakv / hf assisted = {rakv / assisted:.2f} (goal {goal}: "
                      f"{_verdict(rakv / assisted >= goal)});  rakv / best fixed ({best_fixed.config}) = {vs_fixed:.2f} "
                      f"(goal {1 - GOAL_FIXED_SLACK}: {_verdict(vs_fixed >= 1 - GOAL_FIXED_SLACK)});  "
                      f"rakv / ar = {rakv / ar:.2f}")
+        if same is not None:
+            lines.append(f"{workload:8} rakv / {same.config} = {rakv / same.tokens_per_s:.2f} "
+                         "(HF assisted on the engine's packed kernels: the mechanisms alone)")
     return "\n".join(lines), verdicts
 
 
@@ -185,19 +206,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="fixed policies to run besides ar; the best of them and ar is rakv's bar (default: spec-k4,spec-k8)")
     p.add_argument("--profile", metavar="POLICY", nargs="?", const="joint-k4", default=None,
                    help="profile the first request under POLICY (default joint-k4) and HF assisted instead")
+    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
     p.add_argument("--json", type=Path, default=None, help="also write the rows and verdicts as JSON")
     args = p.parse_args(argv)
     try:
         import torch
         torch.set_num_threads(1)
         from rakv.calibrate import load_or_calibrate
+        from rakv.cpu_linear import stock_linears
         from rakv.models import load_pair
-        pair = load_pair(args.pair)
+        pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
         if pair.draft is None:
             raise ValueError(f"pair {args.pair!r} has no draft model to assist with")
         prompts = workloads(pair, args.code, args.prose)
         fixed = [name.strip() for name in args.fixed.split(",") if name.strip()]
-        hf_generate(pair, prompts["code"][0][:16] if prompts["code"] else pair.encode("Warm up."), 4, assisted=True)
+        warm = prompts["code"][0][:16] if prompts["code"] else pair.encode("Warm up.")
+        hf_generate(pair, warm, 4, assisted=True)
+        with stock_linears(pair.target, pair.draft):
+            hf_generate(pair, warm, 4, assisted=True)
         if args.profile:
             first = next((p[0] for p in prompts.values() if p), None)
             if first is None:
@@ -208,15 +234,20 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         timings = load_or_calibrate(pair)
         rows: list[Row] = []
+        kernel_diffs = 0
         start = time.perf_counter()
         for workload, workload_prompts in prompts.items():
             if workload_prompts:
-                rows += run_workload(pair, workload, workload_prompts, ["ar", *fixed, "rakv"], timings,
-                                     args.max_new_tokens)
+                workload_rows, diffs = run_workload(pair, workload, workload_prompts, ["ar", *fixed, "rakv"],
+                                                    timings, args.max_new_tokens)
+                rows, kernel_diffs = rows + workload_rows, kernel_diffs + diffs
         text, verdicts = report(rows, fixed)
-        print(f"{args.pair}, {args.max_new_tokens} new tokens, 1 torch thread, lockstep, "
-              f"{time.perf_counter() - start:.0f} s")
+        print(f"{args.pair}, {args.max_new_tokens} new tokens, 1 torch thread, lockstep, engine Linear kernels "
+              f"{pair.linear_kernels}, {time.perf_counter() - start:.0f} s")
         print(text)
+        print(f"stock-kernel HF generate differs from the engine's ar on {kernel_diffs} of "
+              f"{sum(map(len, prompts.values()))} prompts (float rounding of the two kernels; mism counts "
+              "each row against its own kernels' reference)")
         if args.json:
             args.json.write_text(json.dumps({"rows": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in rows],
                                              "verdicts": verdicts}, indent=1))

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from rakv.cli import run_cli
 from rakv.controller import FIXED_POLICIES
+from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
 QWEN_DEFAULT_POLICIES = "ar,kv-only,joint-k2,joint-k4,joint-ngram-k4"
 HF_ASSISTED = "hf-assisted"
@@ -630,6 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Hugging Face generate, policies in tokens/s (against HF assisted generation), and "
                     "the controller's overhead. Prints ratios measured in this run.")
     p.add_argument("--pair", default="smollm2", help="model pair for sections 1-5 (default: smollm2)")
+    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repeats (a smoke test)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="max_new_tokens in sections 3 and 4 (default: 48, --quick: 12)")
@@ -687,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
     checks = Checks()
     sections: dict = {}
     print(f"loading {args.pair}", file=sys.stderr)
-    pair = load_pair(args.pair)
+    pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
     timings = load_or_calibrate(pair)
     warm_up(pair)
     sections["exact_repeat"] = bench_exact_repeat(pair, 3 if args.quick else 8, checks)
@@ -701,7 +703,7 @@ def run(args: argparse.Namespace) -> int:
         del pair
         gc.collect()
         print("loading qwen-coder (the first load converts the GGUF files: minutes)", file=sys.stderr)
-        qwen = load_pair("qwen-coder")
+        qwen = load_pair("qwen-coder", linear_kernels=args.linear_kernels)
         warm_up(qwen)
         sections["policies_qwen"] = policy_section(qwen, code_workload(args.qwen_prompts), args.qwen_policies,
                                                    args.qwen_new_tokens, args, checks, "qwen-coder")

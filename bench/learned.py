@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+
 GOAL_DECIDE_US = 100.0
 
 
@@ -42,7 +44,8 @@ def decide_us(policy_path: Path, trace_path: Path) -> float:
     return statistics.median(times) * 1e6
 
 
-def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, max_new_tokens: int) -> dict:
+def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, max_new_tokens: int,
+         linear_kernels: str = "auto") -> dict:
     import torch
     torch.set_num_threads(1)
     from policy.learned import learned_or_fallback
@@ -52,7 +55,7 @@ def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, ma
     from rakv.controller import make_policy
     from rakv.engine import Engine
     from rakv.models import load_pair
-    pair = load_pair(pair_name)
+    pair = load_pair(pair_name, linear_kernels=linear_kernels)
     timings = load_or_calibrate(pair)
     engines = {"rakv": Engine(pair, make_policy("rakv", timings)),
                "learned": Engine(pair, learned_or_fallback(policy_path, timings, pair.target_fingerprint,
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", type=Path, required=True)
     p.add_argument("--trace", type=Path, default=Path("traces/smollm2-chat"), help="requests to time decisions on")
     p.add_argument("--pair", default="smollm2")
+    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
     p.add_argument("--workload", default="chat")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     us = decide_us(args.policy, args.trace)
     print(f"one decision: {us:.1f} us (median; goal {GOAL_DECIDE_US:.0f})")
     if not args.decide_only:
-        result = live(args.policy, args.pair, args.workload, args.requests, args.max_new_tokens)
+        result = live(args.policy, args.pair, args.workload, args.requests, args.max_new_tokens, args.linear_kernels)
         speeds = result["tokens_per_s"]
         print(f"live, {result['num_requests']} requests of {args.workload}, {args.max_new_tokens} new tokens: "
               + ", ".join(f"{n} {v:.2f} tok/s" for n, v in speeds.items())

@@ -6,7 +6,7 @@ those rows (``rakv.cost_model.fit_timings``, which fits a trace's ops table the 
 and measures each drafter's agreement with the target's greedy continuations of built-in
 code, prose and chat prompts (the acceptance priors).
 
-Results are cached per (machine, model fingerprints) as JSON under
+Results are cached per (machine, model fingerprints, Linear kernels) as JSON under
 ``<cache root>/calibration/``.
 """
 from __future__ import annotations
@@ -65,7 +65,10 @@ def calibrate(pair: ModelPair) -> PairTimings:
 
 
 def calibration_path(pair: ModelPair) -> Path:
-    key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}".encode(), digest_size=8).hexdigest()
+    # the kernels are part of the machine's speed, not of the models' identity: the same
+    # weights on stock and packed kernels share stored state and learned policies, not timings
+    key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}|{pair.linear_kernels}".encode(),
+                          digest_size=8).hexdigest()
     return cache_root() / "calibration" / f"v{CALIBRATION_VERSION}-{machine_id()}-{key}.json"
 
 

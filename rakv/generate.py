@@ -20,7 +20,7 @@ from rakv.drafters import DRAFT_MODEL, NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
 from rakv.store_model import STORE_MODES, StoreConfig
-from rakv.models import BUILTIN_PAIRS, PairError
+from rakv.models import BUILTIN_PAIRS, LINEAR_KERNELS, LINEAR_KERNELS_HELP, PairError
 from rakv.prompt_file import PromptLine, read_prompt_file
 
 DEMO_PROMPTS = (
@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default=None,
                    help="model dtype (default: float64 for tiny, float32 otherwise)")
     p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
+    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
     p.add_argument("--draft-layers", type=int, default=4,
                    help="smollm2: layers of the self-speculative draft; 0: no draft model (default: 4)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram searched (default: 3)")
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from rakv.engine import Engine
     from rakv.models import load_pair
 
-    pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers)
+    pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers, args.linear_kernels)
     action = fixed_action(args.policy)
     if action is not None and action.k > 0 and action.drafter == DRAFT_MODEL and pair.draft is None:
         raise ValueError(f"policy {args.policy!r} needs a draft model; pair {args.pair!r} has none "

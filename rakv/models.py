@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BUILTIN_PAIRS = ("tiny", "smollm2", "qwen-coder")
+LINEAR_KERNELS = ("auto", "onednn", "stock")  # rakv.cpu_linear
+LINEAR_KERNELS_HELP = ("Linear layers on the CPU: onednn runs them on weights packed once, so a forward over a few "
+                       "tokens costs about one step (speculation pays; one more copy of the weights in memory); "
+                       "stock is PyTorch's default; auto: onednn for float32 on a CPU (default: auto)")
 SMOLLM2_DRAFT_LAYERS = 4
 
 
@@ -41,6 +45,7 @@ class ModelPair:
     draft_fingerprint: str | None
     max_positions: int
     eos_token_ids: frozenset[int]
+    linear_kernels: str = "stock"  # rakv.cpu_linear: "onednn" when the Linear layers run packed
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -193,9 +198,11 @@ def layer_prefix_draft(target, num_layers: int):
 
 
 def load_pair(spec: str, dtype: str | None = None, max_context: int | None = None,
-              draft_layers: int = SMOLLM2_DRAFT_LAYERS) -> ModelPair:
-    """Load a pair by built-in name or ``TARGET[,DRAFT]``. Raises PairError (one line)."""
+              draft_layers: int = SMOLLM2_DRAFT_LAYERS, linear_kernels: str = "auto") -> ModelPair:
+    """Load a pair by built-in name or ``TARGET[,DRAFT]``, its Linear layers on the kernels
+    ``rakv.cpu_linear.choose_kernels`` picks. Raises PairError (one line)."""
     import torch
+    from rakv import cpu_linear
     from rakv import model_files
     from rakv.tiny import ByteTokenizer, tiny_models
 
@@ -225,11 +232,21 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         sources = (names[0], names[1] if len(names) == 2 else None)
     else:
         raise PairError(f"unknown pair {spec!r}; choose one of {', '.join(BUILTIN_PAIRS)} or TARGET[,DRAFT]")
-    return ModelPair(
+    try:
+        kernels = cpu_linear.choose_kernels(linear_kernels, (target, draft))
+    except ValueError as exc:
+        raise PairError(str(exc)) from None
+    pair = ModelPair(
         name=spec, target=target, draft=draft, tokenizer=tokenizer,
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
-        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))
+        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target),
+        linear_kernels=kernels)
+    if kernels == cpu_linear.ONEDNN:
+        for model in (target, draft):
+            if model is not None:
+                cpu_linear.pack_linears(model)
+    return pair
 
 
 def _resolve(model_files, name: str) -> Path:

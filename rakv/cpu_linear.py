@@ -1,0 +1,91 @@
+"""Linear layers on oneDNN with weights packed once: on a CPU, a forward over a few tokens
+costs what a forward over one token costs, which is what speculation needs.
+
+With one thread, PyTorch's default CPU matmul (MKL sgemm) re-reads a Linear's weight for
+every row when it has 2 or 3 rows: on Qwen2.5-Coder-1.5B a forward over 2 tokens took
+2.1 one-token steps and over 3 tokens 3.1, so verifying a draft cost almost what decoding
+its tokens one by one would. oneDNN's inner product over a weight reordered once into its
+blocked layout streams that weight once for up to about 6 rows, and is fastest at 4 to 6
+rows; forwards with fewer rows are padded with zero rows to ``MIN_ROWS``. Measured with
+``python -m bench.cpu_linear`` (one thread; the figures are in the README).
+
+Invariants:
+- Packing changes no module structure and no parameter: each ``nn.Linear`` keeps its
+  weight (tied embeddings, state dicts and fingerprints are untouched) and only gains an
+  instance ``forward``; ``stock_linears`` removes it for a while (HF's own numbers).
+- Results equal the stock layer's up to float rounding; rows never mix (each output row
+  depends on its input row only, padding rows included), so a padded row equals itself.
+- Only float32 weights on the CPU are packed (oneDNN has no float64 inner product, and
+  bfloat16 needs CPU support we do not check for); anything else keeps the stock kernels.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from rakv.models import LINEAR_KERNELS
+
+ONEDNN, STOCK = "onednn", "stock"
+MIN_ROWS = 4  # fewer rows take oneDNN's slower path: 1 row cost 1.3x 4 rows (bench.cpu_linear)
+LAYOUT_ROWS = 8  # the row count oneDNN picks its blocked weight layout for
+
+
+class PackedForward:
+    """A Linear's forward on its oneDNN-packed weight: x [..., in] -> [..., out]."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LAYOUT_ROWS)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        flat = x.reshape(rows, x.shape[-1])  # [rows, in]
+        if rows < MIN_ROWS:
+            flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def packable(model) -> bool:
+    """Whether ``model``'s Linear layers can run on packed oneDNN weights here."""
+    param = next(model.parameters())
+    return param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def choose_kernels(choice: str, models) -> str:
+    """``auto``: oneDNN where every model is packable, else stock. Raises ValueError when
+    ``onednn`` is asked for models it cannot run."""
+    if choice not in LINEAR_KERNELS:
+        raise ValueError(f"linear kernels must be one of {', '.join(LINEAR_KERNELS)}, got {choice!r}")
+    if choice == STOCK:
+        return STOCK
+    fits = all(packable(m) for m in models if m is not None)
+    if choice == ONEDNN and not fits:
+        raise ValueError("--linear-kernels onednn needs float32 models on a CPU with oneDNN")
+    return ONEDNN if fits else STOCK
+
+
+def pack_linears(model) -> int:
+    """Give every Linear of ``model`` a packed forward (once: modules shared with another
+    model, like a layer-prefix draft's, are packed once). Returns the bytes added."""
+    added = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and "forward" not in vars(module):
+                module.forward = module._rakv_packed = PackedForward(module)
+                added += module.weight.numel() * module.weight.element_size()
+    return added
+
+
+@contextmanager
+def stock_linears(*models):
+    """The stock forwards of ``models``' packed Linear layers while the block runs."""
+    packed = [m for model in models if model is not None for m in model.modules() if "_rakv_packed" in vars(m)]
+    for module in packed:
+        del module.forward
+    try:
+        yield
+    finally:
+        for module in packed:
+            module.forward = module._rakv_packed
