@@ -7,8 +7,11 @@ defaults (up to 20 draft tokens, stop below 0.4 confidence), on code (HumanEval)
     python -m bench.assisted --profile                # where one request's time goes
 
 Every figure comes from this run, with one torch thread and the configs in lockstep (each
-prompt under every config before the next prompt). Each output is checked token for token
-against the engine's ``ar``; a mismatch makes the exit status 1. Goals (the speculation
+prompt under every config before the next prompt). Hugging Face runs as a user loads it,
+on PyTorch's stock kernels; where the engine runs packed Linear layers
+(``rakv.cpu_linear``), HF runs again on those, which compares the mechanisms alone. Each
+engine output is checked token for token against the engine's ``ar``, each HF output
+against HF ``generate`` on the same kernels; a mismatch makes the exit status 1. Goals (the speculation
 issue): ``rakv`` / HF assisted >= 1.2 on code and >= 1.0 on prose, and ``rakv`` within 2 %
 of the best fixed policy on each workload; with smollm2, ``rakv`` not slower than ``ar``
 on prose.

@@ -3,7 +3,7 @@ costs what a forward over one token costs, which is what speculation needs.
 
 With one thread, PyTorch's default CPU matmul (MKL sgemm) re-reads a Linear's weight for
 every row when it has 2 or 3 rows: on Qwen2.5-Coder-1.5B a forward over 2 tokens took
-2.1 one-token steps and over 3 tokens 3.1, so verifying a draft cost almost what decoding
+2.1 one-token steps and over 3 tokens 3.0, so verifying a draft cost almost what decoding
 its tokens one by one would. oneDNN's inner product over a weight reordered once into its
 blocked layout streams that weight once for up to about 6 rows, and is fastest at 4 to 6
 rows; forwards with fewer rows are padded with zero rows to ``MIN_ROWS``. Measured with
@@ -27,7 +27,7 @@ import torch
 from rakv.models import LINEAR_KERNELS
 
 ONEDNN, STOCK = "onednn", "stock"
-MIN_ROWS = 4  # fewer rows take oneDNN's slower path: 1 row cost 1.3x 4 rows (bench.cpu_linear)
+MIN_ROWS = 4  # fewer rows take a slower oneDNN path: 1 token cost 1.25x 4 on the Qwen 1.5B model
 LAYOUT_ROWS = 8  # the row count oneDNN picks its blocked weight layout for
 
 
@@ -66,22 +66,21 @@ def choose_kernels(choice: str, models) -> str:
     return ONEDNN if fits else STOCK
 
 
-def pack_linears(model) -> int:
+def pack_linears(model) -> None:
     """Give every Linear of ``model`` a packed forward (once: modules shared with another
-    model, like a layer-prefix draft's, are packed once). Returns the bytes added."""
-    added = 0
+    model, like a layer-prefix draft's, are packed once)."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and "forward" not in vars(module):
                 module.forward = module._rakv_packed = PackedForward(module)
-                added += module.weight.numel() * module.weight.element_size()
-    return added
 
 
 @contextmanager
 def stock_linears(*models):
     """The stock forwards of ``models``' packed Linear layers while the block runs."""
-    packed = [m for model in models if model is not None for m in model.modules() if "_rakv_packed" in vars(m)]
+    # dict: a module shared by two models (a layer-prefix draft's) is switched once
+    packed = list({id(m): m for model in models if model is not None
+                   for m in model.modules() if "_rakv_packed" in vars(m)}.values())
     for module in packed:
         del module.forward
     try:

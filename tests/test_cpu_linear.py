@@ -11,7 +11,7 @@ from conftest import hf_greedy, policy_for
 from rakv.calibrate import calibration_path
 from rakv.cpu_linear import ONEDNN, STOCK, PackedForward, stock_linears
 from rakv.engine import Engine
-from rakv.models import PairError, load_pair
+from rakv.models import PairError, layer_prefix_draft, load_pair
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -47,9 +47,10 @@ def test_packed_rows_equal_stock_up_to_rounding_and_never_mix():
 
 
 def test_stock_linears_switches_back_and_forth(packed_pair):
-    linear = next(m for m in packed_pair.target.modules() if isinstance(m, torch.nn.Linear))
+    sharing = layer_prefix_draft(packed_pair.target, 1)  # a draft whose modules are the target's
+    linear = next(m for m in sharing.modules() if isinstance(m, torch.nn.Linear))
     assert "forward" in vars(linear)
-    with stock_linears(packed_pair.target, packed_pair.draft):
+    with stock_linears(packed_pair.target, sharing):
         assert "forward" not in vars(linear)
     assert vars(linear)["forward"] is linear._rakv_packed
 
