@@ -77,8 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load(args):
     """The pair (real or random weights) and the workload (None with random weights)."""
     if args.random_weights:
+        from rakv.cpu_linear import with_kernels
         from rakv.shapes import random_pair
-        return random_pair(args.pair, args.dtype or "float16", args.device, args.seed), None
+        return with_kernels(random_pair(args.pair, args.dtype or "float16", args.device, args.seed),
+                            args.linear_kernels), None
     workload = load_workload(args.workload, args.requests, args.seed)  # a bad workload fails before any load
     from rakv.models import load_pair
     pair = load_pair(args.pair, args.dtype, args.max_context, linear_kernels=args.linear_kernels)

@@ -14,12 +14,14 @@ Invariants:
   weight (tied embeddings, state dicts and fingerprints are untouched) and only gains an
   instance ``forward``; ``stock_linears`` removes it for a while (HF's own numbers).
 - Results equal the stock layer's up to float rounding; rows never mix (each output row
-  depends on its input row only, padding rows included), so a padded row equals itself.
+  depends on its input row only), so padding changes no row's bits.
+- Inference only: no gradient flows through a packed layer.
 - Only float32 weights on the CPU are packed (oneDNN has no float64 inner product, and
   bfloat16 needs CPU support we do not check for); anything else keeps the stock kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -64,6 +66,17 @@ def choose_kernels(choice: str, models) -> str:
     if choice == ONEDNN and not fits:
         raise ValueError("--linear-kernels onednn needs float32 models on a CPU with oneDNN")
     return ONEDNN if fits else STOCK
+
+
+def with_kernels(pair, choice: str):
+    """``pair`` (a ``rakv.models.ModelPair``) on the kernels ``choose_kernels`` picks:
+    its models' Linear layers packed in place for oneDNN."""
+    kernels = choose_kernels(choice, (pair.target, pair.draft))
+    if kernels == ONEDNN:
+        for model in (pair.target, pair.draft):
+            if model is not None:
+                pack_linears(model)
+    return dataclasses.replace(pair, linear_kernels=kernels)
 
 
 def pack_linears(model) -> None:

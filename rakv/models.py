@@ -232,21 +232,15 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         sources = (names[0], names[1] if len(names) == 2 else None)
     else:
         raise PairError(f"unknown pair {spec!r}; choose one of {', '.join(BUILTIN_PAIRS)} or TARGET[,DRAFT]")
-    try:
-        kernels = cpu_linear.choose_kernels(linear_kernels, (target, draft))
-    except ValueError as exc:
-        raise PairError(str(exc)) from None
     pair = ModelPair(
         name=spec, target=target, draft=draft, tokenizer=tokenizer,
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
-        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target),
-        linear_kernels=kernels)
-    if kernels == cpu_linear.ONEDNN:
-        for model in (target, draft):
-            if model is not None:
-                cpu_linear.pack_linears(model)
-    return pair
+        max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))
+    try:
+        return cpu_linear.with_kernels(pair, linear_kernels)
+    except ValueError as exc:
+        raise PairError(str(exc)) from None
 
 
 def _resolve(model_files, name: str) -> Path:
