@@ -110,9 +110,14 @@ class PlannerConfig:
     # Speculate only for a predicted gain over a plain step of at least this fraction. The
     # estimate that triggers a round is high because the last trials went well, and what
     # follows is usually worse (regression to the mean); the cost fit leaves out each
-    # round's rollback and bookkeeping; and a losing round costs 2-3 steps on a CPU. On
-    # the prompt-lookup bench, 0.05 let prose lose 4 % to ar.
-    min_gain: float = 0.25
+    # round's rollback and bookkeeping; and a losing round costs more than a step. On
+    # stock CPU kernels, where it cost 2-3 steps, 0.05 let prose lose 4 % to ar on the
+    # prompt-lookup bench and 0.25 was needed; on packed kernels (``rakv.cpu_linear``) a
+    # losing round of up to 4 drafts costs 1.1 steps, and 0.25 kept the draft model from
+    # drafting on code once a request's estimate dipped (the draft is not shadowed, so
+    # its estimate cannot recover): replaying qwen-coder-humaneval on packed timings,
+    # 0.1 gave 3.03 tok/s against 2.70.
+    min_gain: float = 0.1
     shadow_length: int = MAX_DRAFT_LENGTH  # tokens of a shadowed drafter's proposal checked after each round
     # The draft model ends a round after a token it gives less than this probability, as
     # HF's assistant does (``assistant_confidence_threshold``, 0.4); k is then a cap. Each
