@@ -125,3 +125,12 @@ def test_assisted_bench_and_profile_run_on_the_tiny_pair(capsys):
     finally:
         torch.set_num_threads(threads)
     assert "engine joint-k4" in out and "target forward" in out and "draft forward" in out
+
+
+def test_replay_defaults_bench_compares_recorded_and_todays_settings(capsys):
+    from bench.replay_defaults import main as replay_defaults
+    trace = str(Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat")
+    assert replay_defaults(["--trace", trace, "--timing", trace]) == 0
+    out = capsys.readouterr().out
+    assert "rakv recorded" in out and "rakv today" in out
+    assert replay_defaults(["--trace", "/nonexistent", "--timing", trace]) == 2
