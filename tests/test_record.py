@@ -19,7 +19,7 @@ from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
 from profiler.trace_io import final_path, parts_dir, read_meta, read_table
 from rakv.acceptance import replay_request
 from rakv.drafters import RunLengths
-from rakv.round_planner import FixedRounds
+from rakv.round_planner import FixedRounds, PlannerConfig
 from simulator.session import replay_runs, run_mismatch
 from simulator.trace import load_trace
 
@@ -47,7 +47,9 @@ def test_tables_and_metadata(trace):
     inputs = meta.config[META_DECISION_INPUTS]  # what a replay decides with
     assert inputs["timings"]["target"]["step_fixed_s"] > 0 and inputs["engine"]["store"]["mode"] == "full"
     assert inputs["engine"]["ngram"] == {"max_ngram": 3, "min_ngram": 1} and inputs["max_positions"] == 256
-    assert inputs["target_sizes"]["kv_bytes_per_token"] > 0 and inputs["controller"]["rounds"]["min_gain"] == 0.25
+    assert inputs["target_sizes"]["kv_bytes_per_token"] > 0
+    assert inputs["controller"]["rounds"]["min_gain"] == PlannerConfig().min_gain
+    assert inputs["controller"]["ready_draft_over_plain"] is True  # recorded, so a replay decides as the engine did
     requests = rows(trace, "requests")
     assert len(requests) == 6
     assert {r.drafter for r in requests[0].run_lengths} == {"ngram", "draft"}
