@@ -119,10 +119,11 @@ class CostModelPolicy:
     def decide(self, features: RequestFeatures) -> Action:
         priced = self.priced(features)
         best = min(priced)  # rank's first, without sorting the rest
-        if best[3].drafter == DRAFT_MODEL and best[3].k:
+        probing = self._probing()
+        if (best[3].drafter == DRAFT_MODEL and best[3].k) or not (probing or self.config.ready_draft_over_plain):
             return best[3]
         drafting = [p for p in priced if p[3].k and p[3].drafter == DRAFT_MODEL]
-        if drafting and self._probing():
+        if drafting and probing:
             probes = [p for p in drafting if p[0] <= best[0] * (1 + self.config.probe_margin)]
             if probes:
                 return min(probes)[3]
