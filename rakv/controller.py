@@ -91,7 +91,8 @@ class ControllerConfig:
     # drafter per round), so the draft is readied when its best action is predicted to
     # beat plain steps, not only when it beats prompt lookup's fixed-k price too: that
     # price uses prompt lookup's average acceptance, which says nothing about how much the
-    # next request copies (Qwen on code: it readied the draft on 3 of 100 requests).
+    # next request copies (without this rule, replaying Qwen on code readied the draft on 3
+    # of 100 requests).
     ready_draft_over_plain: bool = True
     ABSENT_MEANS: ClassVar[dict] = {"probe_margin": 0.0, "ready_draft_over_plain": False}  # in traces written before
 
