@@ -81,10 +81,12 @@ def with_kernels(pair, choice: str):
 
 def pack_linears(model) -> None:
     """Give every Linear of ``model`` a packed forward (once: modules shared with another
-    model, like a layer-prefix draft's, are packed once)."""
+    model, like a layer-prefix draft's, are packed once, and so is a module whose packed
+    forward ``stock_linears`` has taken away for a while). A forward another library set
+    on the instance (a hook) is left alone."""
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and "forward" not in vars(module):
+            if isinstance(module, torch.nn.Linear) and not {"forward", "_rakv_packed"} & vars(module).keys():
                 module.forward = module._rakv_packed = PackedForward(module)
 
 

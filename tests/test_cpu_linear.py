@@ -9,7 +9,7 @@ import torch
 
 from conftest import hf_greedy, policy_for
 from rakv.calibrate import calibration_path
-from rakv.cpu_linear import ONEDNN, STOCK, PackedForward, stock_linears
+from rakv.cpu_linear import ONEDNN, STOCK, PackedForward, pack_linears, stock_linears
 from rakv.engine import Engine
 from rakv.models import PairError, layer_prefix_draft, load_pair
 
@@ -50,9 +50,12 @@ def test_stock_linears_switches_back_and_forth(packed_pair):
     sharing = layer_prefix_draft(packed_pair.target, 1)  # a draft whose modules are the target's
     linear = next(m for m in sharing.modules() if isinstance(m, torch.nn.Linear))
     assert "forward" in vars(linear)
+    packed = linear._rakv_packed
     with stock_linears(packed_pair.target, sharing):
         assert "forward" not in vars(linear)
-    assert vars(linear)["forward"] is linear._rakv_packed
+        pack_linears(sharing)  # packed already: nothing is packed again
+        assert "forward" not in vars(linear)
+    assert vars(linear)["forward"] is linear._rakv_packed is packed
 
 
 @pytest.mark.parametrize("policy_name", ["joint-k4", "rakv"])
