@@ -30,9 +30,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.engine import fresh_engine, hf_generate, timed
+from bench.harness import fresh_engine, hf_generate, timed
 from bench.prompt_lookup import Row, Tally
-from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
 GOAL_CODE_VS_ASSISTED = 1.2
 GOAL_PROSE_VS_ASSISTED = 1.0

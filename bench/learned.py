@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
 GOAL_DECIDE_US = 100.0
 

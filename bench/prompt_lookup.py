@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.engine import fresh_engine, hf_generate, timed
+from bench.harness import fresh_engine, hf_generate, timed
 from profiler.prompt_texts import CHAT, PROSE, REVISE, chat_prompt
-from rakv.models import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
 ENGINE_POLICIES = ("ar", "ngram-k4", "rakv")
 HF_LOOKUP_TOKENS = (None, 3, 10)

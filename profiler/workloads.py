@@ -18,8 +18,9 @@ Workloads (``load_workload(name, num_requests, seed, **options)``):
   model to revise its answer (that prompt continues the model's own output).
 - a path (``FILE.jsonl`` or a text file): the user's prompts (``rakv.prompt_file``).
 
-This module holds arrivals, the builders and the registry; the request types are
-``profiler.workload_types``, the embedded texts ``profiler.prompt_texts``. Reading
+This module holds the builders and the registry; the request types are
+``profiler.workload_types``, the embedded texts ``profiler.prompt_texts``, the Poisson
+arrivals ``profiler.arrivals`` (drawn from the seed's own arrival stream). Reading
 and formatting ShareGPT conversations (how a multi-turn prompt is laid out, and what
 ``history_chars`` marks) is ``profiler.sharegpt``; the generated text of ``synthetic``
 and ``sweep`` is ``profiler.synthetic``.
@@ -43,6 +44,7 @@ from typing import Callable
 
 import numpy as np
 
+from profiler.arrivals import poisson_arrivals_s
 from profiler.prompt_texts import (CHAT, FIXTURE_CHAT_CONVERSATIONS, FIXTURE_CODE_PROMPTS, PROSE, REVISE,
                                    chat_prompt)
 from profiler.sharegpt import conversation_turns, sharegpt_conversations
@@ -64,15 +66,9 @@ def _rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng((int(seed), stream, *keys))
 
 
-def poisson_arrivals_s(count: int, rate_per_s: float | None, seed: int) -> list[float]:
-    """Arrival times of ``count`` requests: the first at 0, then exponential gaps with mean
-    ``1 / rate_per_s`` from a seeded generator; ``None`` puts every request at 0 (all queued)."""
-    if rate_per_s is None:
-        return [0.0] * count
-    if not (rate_per_s > 0 and math.isfinite(rate_per_s)):
-        raise WorkloadError(f"rate_per_s must be a positive number or None, got {rate_per_s}")
-    gaps = _rng(seed, _STREAM_ARRIVAL).exponential(1.0 / rate_per_s, size=max(count - 1, 0))
-    return [0.0] + np.cumsum(gaps).tolist()
+def arrival_rng(seed: int) -> np.random.Generator:
+    """The generator a workload of ``seed`` draws its Poisson arrivals from (its own stream)."""
+    return _rng(seed, _STREAM_ARRIVAL)
 
 
 def _item(group_id: str, turn: int, prompt: str, max_new_tokens: int, num_prompt_tokens: int | None = None,
@@ -86,7 +82,10 @@ def _build(name: str, items: list[dict], rate_per_s: float | None, seed: int, co
            arrivals_s: list[float] | None = None) -> Workload:
     """A workload of ``_item``s, in order, with Poisson arrivals unless ``arrivals_s`` are given."""
     if arrivals_s is None:
-        arrivals_s = poisson_arrivals_s(len(items), rate_per_s, seed)
+        try:
+            arrivals_s = poisson_arrivals_s(len(items), rate_per_s, arrival_rng(seed))
+        except ValueError as exc:  # a rate that is not a positive number
+            raise WorkloadError(str(exc)) from None
     requests = tuple(WorkloadRequest(request_id=i, arrival_s=arrival, **item)
                      for i, (item, arrival) in enumerate(zip(items, arrivals_s)))
     return Workload(name=name, requests=requests, config={"rate_per_s": rate_per_s, **config})

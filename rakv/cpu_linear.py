@@ -18,17 +18,24 @@ Invariants:
 - Inference only: no gradient flows through a packed layer.
 - Only float32 weights on the CPU are packed (oneDNN has no float64 inner product, and
   bfloat16 needs CPU support we do not check for); anything else keeps the stock kernels.
+- Importing this module loads no torch (each function imports it): the command lines that
+  offer ``--linear-kernels`` take ``LINEAR_KERNELS`` from here and parse their arguments
+  without loading torch. ``rakv.models`` imports this module, never the reverse.
 """
 from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
-
-from rakv.models import LINEAR_KERNELS
+if TYPE_CHECKING:
+    import torch
 
 ONEDNN, STOCK = "onednn", "stock"
+LINEAR_KERNELS = ("auto", ONEDNN, STOCK)  # the choices of --linear-kernels
+LINEAR_KERNELS_HELP = ("Linear layers on the CPU: onednn runs them on weights packed once, so a forward over a few "
+                       "tokens costs about one step (speculation pays; one more copy of the weights in memory); "
+                       "stock is PyTorch's default; auto: onednn for float32 on a CPU (default: auto)")
 MIN_ROWS = 4  # fewer rows take a slower oneDNN path: 1 token cost 1.25x 4 on the Qwen 1.5B model
 LAYOUT_ROWS = 8  # the row count oneDNN picks its blocked weight layout for
 
@@ -37,10 +44,12 @@ class PackedForward:
     """A Linear's forward on its oneDNN-packed weight: x [..., in] -> [..., out]."""
 
     def __init__(self, linear: torch.nn.Linear):
+        import torch
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), LAYOUT_ROWS)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch  # already loaded (a packed model exists): a dictionary lookup
         rows = x.shape[:-1].numel()
         flat = x.reshape(rows, x.shape[-1])  # [rows, in]
         if rows < MIN_ROWS:
@@ -51,6 +60,7 @@ class PackedForward:
 
 def packable(model) -> bool:
     """Whether ``model``'s Linear layers can run on packed oneDNN weights here."""
+    import torch
     param = next(model.parameters())
     return param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
@@ -84,6 +94,7 @@ def pack_linears(model) -> None:
     model, like a layer-prefix draft's, are packed once, and so is a module whose packed
     forward ``stock_linears`` has taken away for a while). A forward another library set
     on the instance (a hook) is left alone."""
+    import torch
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and not {"forward", "_rakv_packed"} & vars(module).keys():

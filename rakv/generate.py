@@ -20,7 +20,8 @@ from rakv.drafters import DRAFT_MODEL, NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
 from rakv.store_model import STORE_MODES, StoreConfig
-from rakv.models import BUILTIN_PAIRS, LINEAR_KERNELS, LINEAR_KERNELS_HELP, PairError
+from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.models import BUILTIN_PAIRS, PairError
 from rakv.prompt_file import PromptLine, read_prompt_file
 
 DEMO_PROMPTS = (

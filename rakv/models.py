@@ -23,11 +23,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rakv import cpu_linear
+
 BUILTIN_PAIRS = ("tiny", "smollm2", "qwen-coder")
-LINEAR_KERNELS = ("auto", "onednn", "stock")  # rakv.cpu_linear
-LINEAR_KERNELS_HELP = ("Linear layers on the CPU: onednn runs them on weights packed once, so a forward over a few "
-                       "tokens costs about one step (speculation pays; one more copy of the weights in memory); "
-                       "stock is PyTorch's default; auto: onednn for float32 on a CPU (default: auto)")
 SMOLLM2_DRAFT_LAYERS = 4
 
 
@@ -202,7 +200,6 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
     """Load a pair by built-in name or ``TARGET[,DRAFT]``, its Linear layers on the kernels
     ``rakv.cpu_linear.choose_kernels`` picks. Raises PairError (one line)."""
     import torch
-    from rakv import cpu_linear
     from rakv import model_files
     from rakv.tiny import ByteTokenizer, tiny_models
 

@@ -6,9 +6,10 @@
   requests are reached (the last group cut short), and the drawn groups' requests are
   interleaved in a seeded order that keeps each group's turns in order. A group drawn
   twice repeats its prompts, as a popular prompt does: the store sees exact repeats.
-- ``arrival_rate_per_s``: Poisson arrivals at that rate, in serving order; without it, a
-  resampled workload takes the trace's own mean rate, or all requests at 0 when the
-  trace recorded none (every request queued: a saturated server).
+- ``arrival_rate_per_s``: Poisson arrivals at that rate, in serving order
+  (``profiler.arrivals``, drawn after the resampling from the same seeded generator);
+  without it, a resampled workload takes the trace's own mean rate, or all requests at 0
+  when the trace recorded none (every request queued: a saturated server).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profiler.arrivals import poisson_arrivals_s
 from simulator.trace import RecordedRequest, Trace
 
 
@@ -42,12 +44,6 @@ def mean_rate_per_s(trace: Trace) -> float | None:
     arrivals = [r.arrival_s for r in trace.requests]
     span = max(arrivals) - min(arrivals)
     return (len(arrivals) - 1) / span if span > 0 else None
-
-
-def poisson_arrivals_s(count: int, rate_per_s: float | None, rng: np.random.Generator) -> list[float]:
-    if rate_per_s is None:
-        return [0.0] * count
-    return [0.0] + np.cumsum(rng.exponential(1.0 / rate_per_s, size=max(count - 1, 0))).tolist()
 
 
 def schedule(trace: Trace, num_requests: int | None = None, arrival_rate_per_s: float | None = None,

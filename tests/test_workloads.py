@@ -10,9 +10,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from profiler import workloads as W
+from profiler.arrivals import poisson_arrivals_s
 from profiler.sharegpt import _TruncatedJsonArray
 from profiler.workloads import Workload, WorkloadError, WorkloadRequest, load_workload
 
@@ -226,16 +228,20 @@ def test_sweep_grid():
 # --- arrivals -------------------------------------------------------------------------------
 
 def test_poisson_arrivals():
-    a = W.poisson_arrivals_s(2000, 4.0, seed=3)
-    assert a == W.poisson_arrivals_s(2000, 4.0, seed=3)
-    assert a != W.poisson_arrivals_s(2000, 4.0, seed=4)
+    a = poisson_arrivals_s(2000, 4.0, W.arrival_rng(3))
+    assert a == poisson_arrivals_s(2000, 4.0, W.arrival_rng(3))
+    assert a != poisson_arrivals_s(2000, 4.0, W.arrival_rng(4))
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
     assert abs(a[-1] / 1999 - 0.25) < 0.02  # mean gap 1 / rate
-    assert W.poisson_arrivals_s(3, None, seed=0) == [0.0, 0.0, 0.0]
+    assert poisson_arrivals_s(3, None, W.arrival_rng(0)) == [0.0, 0.0, 0.0]
     wl = load_workload("fixture-chat", rate_per_s=2.0, seed=1)
-    assert [r.arrival_s for r in wl] == W.poisson_arrivals_s(len(wl), 2.0, seed=1)
+    assert [r.arrival_s for r in wl] == poisson_arrivals_s(len(wl), 2.0, W.arrival_rng(1))
+    # the arrival stream of seed s is default_rng((s, 3)): recorded workloads keep their times
+    assert W.arrival_rng(1).random() == np.random.default_rng((1, 3)).random()
     with pytest.raises(WorkloadError, match="rate_per_s must be"):
         load_workload("fixture-chat", rate_per_s=0.0)
+    with pytest.raises(ValueError, match="rate_per_s must be"):
+        poisson_arrivals_s(3, float("inf"), W.arrival_rng(0))
 
 
 # --- errors ---------------------------------------------------------------------------------
