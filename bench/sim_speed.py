@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     trace = load_trace(args.trace)
     timing = load_timing(args.trace, trace)
     fit_s = time.perf_counter() - start
-    inputs = timing.decision_inputs(trace)
+    from rakv.settings import Settings
+    inputs = timing.decision_inputs(trace, Settings())  # today's settings, as a replay runs by default
 
     names = policy_names("all", trace, inputs)  # the fixed policies, rakv, learned if shipped, the oracle
     rates = {}

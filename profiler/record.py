@@ -8,7 +8,7 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   insert, propose);
 - runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
   request under every policy before the next), each checked token for token against the
-  greedy output;
+  greedy output; a run its siblings say was slowed is timed again (``profiler.run_noise``);
 - decisions: the adaptive policy's decisions on that sample (``--policy rakv``).
 
 Every file's metadata holds the decision inputs (``rakv.settings.DecisionInputs``: the
@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from profiler.hardware import hardware_fingerprint
+from profiler.run_noise import EngineSnapshot, NoiseGuard, median_attempt, priced_s, slowed
 from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
                              TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
@@ -61,6 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs-sample", type=int, default=6,
                    help="requests run end to end under every policy, plus their conversations' later turns (default: 6)")
     p.add_argument("--runs-max-new-tokens", type=int, default=32, help="tokens per end-to-end run (default: 32)")
+    p.add_argument("--runs-noise-tolerance", type=float, default=NoiseGuard.tolerance,
+                   help="time a run again when it is this much slower than its siblings' median, per calibrated "
+                        f"second of its work (default: {NoiseGuard.tolerance})")
+    p.add_argument("--runs-max-attempts", type=int, default=NoiseGuard.max_attempts,
+                   help="attempts at a slowed run, the median kept; 1: never repeat "
+                        f"(default: {NoiseGuard.max_attempts})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
@@ -207,51 +214,83 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                 progress) -> None:
     """Every policy on the sample, each in its own engine (so hits come from the sample's
     own earlier requests), in lockstep: each request under every policy before the next,
-    so drift in the machine's load falls on every policy alike. Each output is checked
-    token for token against the greedy output. A resumed recording runs the recorded
-    requests again (the engines' stores and the adaptive policy's state need them) and
-    writes only the missing rows."""
-    from rakv.controller import CostModelPolicy, make_policy
+    so drift in the machine's load falls on every policy alike. A run that its siblings
+    say was slowed is timed again from the same state (``profiler.run_noise``). Each
+    output is checked token for token against the greedy output. A resumed recording
+    runs the recorded requests again (the engines' stores and the adaptive policy's
+    state need them) and writes only the missing rows."""
+    from rakv.controller import make_policy
     from rakv.engine import Engine
 
+    guard = NoiseGuard(args.runs_noise_tolerance, args.runs_max_attempts)
     sample = sample_requests(requests, args.runs_sample)
     done_runs = writer.existing_keys("runs")
     done_decisions = writer.existing_keys("decisions")
     engines = {name: Engine(pair, make_policy(name, inputs.timings, inputs.controller), inputs.engine)
                for name in run_policies(pair, args)}
     bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
+    num_repeated = 0
     for row in sample:
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
-        reference = list(row.output_ids[:max_new])
+        prompt = list(row.prompt_ids)
+        snapshots, results, decisions = {}, {}, {}
         for name, engine in engines.items():
-            policy = engine.policy
-            features, _, _ = engine.features(list(row.prompt_ids), max_new)
-            if isinstance(policy, CostModelPolicy):
-                acceptance = dict(policy.acceptance)
-                predicted = dict((a, c) for c, a in policy.rank(features))
-            result = engine.generate(list(row.prompt_ids), max_new)
-            action = result.action
-            if (row.request_id, name) not in done_runs:
-                writer.append("runs", [RunRow(
-                    request_id=row.request_id, policy=name, r=action.r, drafter=action.drafter, k=action.k,
-                    max_new_tokens=max_new, hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens,
-                    hit_kind=result.hit_kind, ttft_s=result.ttft_s, e2e_s=result.e2e_s,
-                    num_output_tokens=len(result.output_ids), num_rounds=len(result.rounds),
-                    start_per_round=[r.start for r in result.rounds],
-                    drafter_per_round=[r.drafter for r in result.rounds],
-                    accepted_per_round=[r.accepted for r in result.rounds],
-                    k_per_round=[r.k for r in result.rounds], proposed_per_round=[r.num_proposed for r in result.rounds],
-                    identical_to_ar=list(result.output_ids) == reference)])
-            if isinstance(policy, CostModelPolicy) and (row.request_id, name) not in done_decisions:
-                writer.append("decisions", [DecisionRow(
-                    request_id=row.request_id, policy=name, num_prompt_tokens=features.num_prompt_tokens,
-                    num_new_tokens=features.num_new_tokens, target_hit_tokens=features.target_hit_tokens,
-                    draft_hit_tokens=features.draft_hit_tokens, exact_repeat=features.exact_repeat,
-                    acceptance_draft=acceptance.get("draft", 0.0), acceptance_ngram=acceptance.get("ngram", 0.0),
-                    r=action.r, drafter=action.drafter, k=action.k, predicted_cost_s=predicted[action],
-                    measured_e2e_s=result.e2e_s)])
+            snapshots[name] = EngineSnapshot(engine) if guard.max_attempts > 1 else None
+            decisions[name] = decision_before(engine, prompt, max_new)
+            results[name] = engine.generate(prompt, max_new)
             bar.update(1)
+        ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
+        for name in slowed(ratios, guard.tolerance):
+            attempts = [results[name]]
+            for _ in range(guard.max_attempts - 1):
+                snapshots[name].restore(engines[name])
+                attempts.append(engines[name].generate(prompt, max_new))
+            results[name] = median_attempt(attempts)
+            num_repeated += 1
+        reference = list(row.output_ids[:max_new])
+        for name, result in results.items():
+            if (row.request_id, name) not in done_runs:
+                writer.append("runs", [run_row(row.request_id, name, max_new, result, reference)])
+            if decisions[name] is not None and (row.request_id, name) not in done_decisions:
+                writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
+    print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed",
+          file=sys.stderr)
+
+
+def decision_before(engine, prompt: list[int], max_new: int):
+    """(features, acceptance estimates, predicted seconds by action) the adaptive policy
+    decides the next request from; None for a fixed policy."""
+    from rakv.controller import CostModelPolicy
+    if not isinstance(engine.policy, CostModelPolicy):
+        return None
+    features, _, _ = engine.features(prompt, max_new)
+    return features, dict(engine.policy.acceptance), {a: c for c, a in engine.policy.rank(features)}
+
+
+def run_row(request_id: int, name: str, max_new: int, result, reference: list[int]) -> RunRow:
+    action = result.action
+    return RunRow(
+        request_id=request_id, policy=name, r=action.r, drafter=action.drafter, k=action.k,
+        max_new_tokens=max_new, hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens,
+        hit_kind=result.hit_kind, ttft_s=result.ttft_s, e2e_s=result.e2e_s,
+        num_output_tokens=len(result.output_ids), num_rounds=len(result.rounds),
+        start_per_round=[r.start for r in result.rounds], drafter_per_round=[r.drafter for r in result.rounds],
+        accepted_per_round=[r.accepted for r in result.rounds], k_per_round=[r.k for r in result.rounds],
+        proposed_per_round=[r.num_proposed for r in result.rounds],
+        identical_to_ar=list(result.output_ids) == reference)
+
+
+def decision_row(request_id: int, name: str, decision, result) -> DecisionRow:
+    features, acceptance, predicted = decision
+    action = result.action
+    return DecisionRow(
+        request_id=request_id, policy=name, num_prompt_tokens=features.num_prompt_tokens,
+        num_new_tokens=features.num_new_tokens, target_hit_tokens=features.target_hit_tokens,
+        draft_hit_tokens=features.draft_hit_tokens, exact_repeat=features.exact_repeat,
+        acceptance_draft=acceptance.get("draft", 0.0), acceptance_ngram=acceptance.get("ngram", 0.0),
+        r=action.r, drafter=action.drafter, k=action.k, predicted_cost_s=predicted[action],
+        measured_e2e_s=result.e2e_s)
 
 
 def run(args) -> int:

@@ -18,9 +18,11 @@ Four Parquet tables (DESIGN.md section 3):
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
 (``TraceMeta``); from 1.2, ``rakv.config`` holds under ``decision_inputs`` the
-``rakv.settings.DecisionInputs`` the recording's engines decided with. Readers accept any
-minor of their major: a newer minor's extra columns are kept, an older minor's missing
-ones are filled with the value ``ADDED_COLUMNS`` states; another major is refused.
+``rakv.settings.DecisionInputs`` the recording's engines decided with (its settings and
+its facts), and a trace without ops may name its timing trace (``META_TIMING_TRACE``).
+Readers accept any minor of their major that holds every column: a newer minor's extra
+columns are kept; a file that lacks one (an older engine's) is refused with a one-line
+error that says how to re-record it.
 
 ``RequestRow``, ``OpRow``, ``RunRow``, ``DecisionRow``: frozen dataclasses whose fields are
 the columns, in order; ``rows_to_table`` / ``table_to_rows`` convert. Sequences are stored
@@ -39,8 +41,8 @@ import pyarrow as pa
 from rakv.op_timing import OP_KEY_FIELDS, OpRow
 
 # 1.1: runs gained start_per_round and drafter_per_round. 1.2: requests gained
-# draft_top1_probs, runs max_new_tokens (ADDED_COLUMNS); the metadata holds the decision
-# inputs (META_DECISION_INPUTS) and run lengths reach 32.
+# draft_top1_probs, runs max_new_tokens; the metadata holds the decision inputs
+# (META_DECISION_INPUTS) and run lengths reach 32.
 SCHEMA_VERSION = "1.2"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
@@ -129,14 +131,10 @@ TABLES: dict[str, pa.Schema] = {
     ),
 }
 
-# Columns added after 1.0: (minor version that added it, value an older file's rows get).
-ADDED_COLUMNS: dict[str, dict[str, tuple[str, object]]] = {
-    "requests": {"draft_top1_probs": ("1.2", [])},
-    "runs": {"start_per_round": ("1.1", None), "drafter_per_round": ("1.1", None),
-             "max_new_tokens": ("1.2", 0)},  # 0: not recorded
-}
 # The metadata key of the ``rakv.settings.DecisionInputs`` (JSON) under ``config``, from 1.2.
 META_DECISION_INPUTS = "decision_inputs"
+# The key under ``config`` naming the timing trace (a sibling directory) of a trace recorded without ops.
+META_TIMING_TRACE = "timing_trace"
 
 # Columns that identify a row: a recording resumed after a crash skips rows whose key exists.
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {

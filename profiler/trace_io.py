@@ -36,7 +36,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from profiler.schema import (ADDED_COLUMNS, KEY_COLUMNS, META_SCHEMA_VERSION, TABLES, TraceError, TraceMeta,
+from profiler.schema import (KEY_COLUMNS, META_SCHEMA_VERSION, TABLES, TraceError, TraceMeta,
                              check_table_name, rows_to_table, table_of)
 
 __all__ = ["TraceError", "TraceWriter", "read_table", "read_meta", "final_path", "parts_dir"]
@@ -83,9 +83,9 @@ def _write_atomically(data: pa.Table, path: Path, fsync: bool) -> None:
         _fsync_dir(path.parent)
 
 
-def _open_file(path: Path, table: str | None) -> tuple[pq.ParquetFile, str, list[str]]:
-    """Open a trace file, check its version and, if given, its table; returns (file, table,
-    the columns a later minor version added that it lacks: ``_read_file`` fills them)."""
+def _open_file(path: Path, table: str | None) -> tuple[pq.ParquetFile, str]:
+    """Open a trace file, check its version, its columns and, if given, its table; returns
+    (file, table)."""
     try:
         parquet = pq.ParquetFile(path)
         metadata = parquet.schema_arrow.metadata
@@ -102,38 +102,24 @@ def _open_file(path: Path, table: str | None) -> tuple[pq.ParquetFile, str, list
     if table is not None and stored != table:
         raise TraceError(f"{path}: holds table {stored!r}, expected {table!r}")
     schema = parquet.schema_arrow
-    version = metadata.get(META_SCHEMA_VERSION.encode(), b"?").decode()
-    absent = [f.name for f in TABLES[stored] if f.name not in schema.names]
-    added = ADDED_COLUMNS.get(stored, {})
-    fillable = [name for name in absent if name in added and added[name][1] is not None
-                and _minor(version) < _minor(added[name][0])]
-    missing = [name for name in absent if name not in fillable]
+    missing = [f.name for f in TABLES[stored] if f.name not in schema.names]
     if missing:
-        raise TraceError(f"{path}: table {stored!r} (schema {version}) lacks columns {', '.join(missing)}")
+        version = metadata.get(META_SCHEMA_VERSION.encode(), b"?").decode()
+        raise TraceError(f"{path}: table {stored!r} (schema {version}) lacks columns {', '.join(missing)}: "
+                         f"recorded by an older engine; re-record it (bash scripts/record_traces.sh)")
     for f in TABLES[stored]:
-        if f.name in fillable:
-            continue
         stored_type = schema.field(f.name).type
         if stored_type != f.type:
             raise TraceError(f"{path}: column {f.name!r} has type {stored_type}, expected {f.type}")
-    return parquet, stored, fillable
-
-
-def _minor(version: str) -> int:
-    return int(version.split(".")[1])
+    return parquet, stored
 
 
 def _read_file(path: Path, table: str | None, columns: list[str] | None = None) -> pa.Table:
-    parquet, stored, fillable = _open_file(path, table)
+    parquet, _ = _open_file(path, table)
     try:
-        data = parquet.read(columns=None if columns is None else [c for c in columns if c not in fillable])
+        return parquet.read(columns=columns)
     except _READ_ERRORS as exc:
         raise TraceError(f"{path}: corrupt Parquet data: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
-    for name in fillable:  # an older minor version: its rows get the column's stated value
-        if columns is None or name in columns:
-            f = TABLES[stored].field(name)
-            data = data.append_column(f, pa.array([ADDED_COLUMNS[stored][name][1]] * data.num_rows, type=f.type))
-    return data
 
 
 def _table_files(path: Path, table: str) -> list[Path]:

@@ -1,14 +1,17 @@
 """The command-line contract shared by the project's CLIs: a known error is one line on
-stderr and exit status 2, Ctrl-C is one line and status 130, never a traceback."""
+stderr and exit status 2, a warning is one line (``warning: ...``), Ctrl-C is one line
+and status 130, never a traceback."""
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable
 
 
 def run_cli(run: Callable[[object], int], args, errors: tuple[type[BaseException], ...],
             interrupted: str = "interrupted") -> int:
     """``run(args)``'s status; ``errors`` become ``error: <message>`` and status 2."""
+    warnings.formatwarning = _one_line
     try:
         return run(args)
     except errors as exc:
@@ -17,3 +20,7 @@ def run_cli(run: Callable[[object], int], args, errors: tuple[type[BaseException
     except KeyboardInterrupt:
         print(interrupted, file=sys.stderr)
         return 130
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"

@@ -5,6 +5,7 @@ Two formats, by suffix:
 - ``.jsonl``: one JSON object per line with ``prompt`` (text) or ``prompt_ids`` (token ids
   of the pair's tokenizer), and optionally ``group`` (a conversation or prefix family),
   ``arrival_s`` (seconds, non-decreasing) and ``max_new_tokens``. Blank lines are skipped.
+  Other fields (a data set's ``id``, ``source``, ...) are ignored, with one warning per file.
 - anything else: one prompt per line, ``\\n`` standing for a newline; blank lines skipped.
 
 Any problem is a ``PromptFileError`` whose one-line message names the file and line.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +45,13 @@ def read_prompt_file(path: Path) -> list[PromptLine]:
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(f"{path}: cannot read: {exc}") from None
     jsonl = path.suffix == ".jsonl"
-    prompts = [(_json_line if jsonl else _text_line)(path, number, line)
+    ignored: set[str] = set()
+    prompts = [_json_line(path, number, line, ignored) if jsonl else _text_line(path, number, line)
                for number, line in enumerate(lines, 1) if line.strip()]
+    if ignored:
+        warnings.warn(f"{path}: ignoring field{'s' if len(ignored) > 1 else ''} "
+                      f"{', '.join(repr(f) for f in sorted(ignored))}; the fields read are {', '.join(FIELDS)}",
+                      stacklevel=2)
     if not prompts:
         raise PromptFileError(f"{path}: no prompts (the file is empty)")
     arrivals = [p for p in prompts if p.arrival_s is not None]
@@ -62,7 +69,8 @@ def _text_line(path: Path, number: int, line: str) -> PromptLine:
     return PromptLine(number, line.replace("\\n", "\n"), None)
 
 
-def _json_line(path: Path, number: int, line: str) -> PromptLine:
+def _json_line(path: Path, number: int, line: str, ignored: set[str]) -> PromptLine:
+    """The line's prompt; the names of fields it does not read go into ``ignored``."""
     where = f"{path}:{number}"
     try:
         row = json.loads(line)
@@ -71,9 +79,7 @@ def _json_line(path: Path, number: int, line: str) -> PromptLine:
     if not isinstance(row, dict):
         raise PromptFileError(f"{where}: expected a JSON object with a 'prompt' or 'prompt_ids' field, "
                               f"got {type(row).__name__}")
-    unknown = sorted(set(row) - set(FIELDS))
-    if unknown:
-        raise PromptFileError(f"{where}: unknown field {unknown[0]!r}; the fields are {', '.join(FIELDS)}")
+    ignored.update(set(row) - set(FIELDS))
     prompt, ids = row.get("prompt"), row.get("prompt_ids")
     if (prompt is None) == (ids is None):
         raise PromptFileError(f"{where}: give exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")

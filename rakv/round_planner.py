@@ -23,7 +23,7 @@ the timing noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
@@ -124,8 +124,6 @@ class PlannerConfig:
     # request moves its own threshold as its draft tokens are verified
     # (``confidence_threshold``). 0: proposals always run to k.
     draft_confidence: float = 0.4
-    # Settings a trace recorded before they existed, as the engine then behaved.
-    ABSENT_MEANS: ClassVar[dict] = {"shadow_length": 8, "draft_confidence": 0.0}
 
     def __post_init__(self):
         if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH or self.shadow_length < 1:

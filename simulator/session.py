@@ -119,7 +119,12 @@ class Session:
             raise SessionError(f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
         if planner.drafters and request.max_k < self.inputs.controller.rounds.max_k:
             raise SessionError(f"request {request.request_id} holds run lengths up to {request.max_k} tokens; "
-                               f"the planner drafts up to {self.inputs.controller.rounds.max_k}")
+                               f"the planner drafts up to {self.inputs.controller.rounds.max_k}: re-record the "
+                               f"trace (scripts/record_traces.sh), or --set planner.max_k={request.max_k}")
+        if planner.confidence > 0 and DRAFT_MODEL in planner.drafters and not request.draft_top1_probs:
+            raise SessionError(f"request {request.request_id} holds no draft probabilities, so confidence stops "
+                               "cannot replay: re-record the trace (scripts/record_traces.sh), or "
+                               "--set planner.draft_confidence=0")
         max_new = features.num_new_tokens
         return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new))
 

@@ -10,14 +10,13 @@ counts that machine's bytes per token.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from profiler.schema import META_DECISION_INPUTS, RunRow, TraceError, TraceMeta, table_to_rows
+from profiler.schema import META_DECISION_INPUTS, META_TIMING_TRACE, RunRow, TraceError, TraceMeta, table_to_rows
 from profiler.trace_io import read_meta, read_table
 from rakv.cost_model import PairTimings, fit_timings
-from rakv.settings import DecisionInputs, settings_from_json
+from rakv.settings import DecisionInputs, Settings, inputs_from_json
 from simulator.costs import OpCosts, Overhead, OverheadSample, fit_op_costs, fit_overhead, request_cost
 from simulator.session import replay_runs
 from simulator.trace import Trace, load_trace
@@ -36,14 +35,14 @@ class Timing:
     inputs: DecisionInputs | None  # the timing trace's, if it recorded them
     fitted: PairTimings | None  # the cost model's timings fitted to its ops
 
-    def decision_inputs(self, trace: Trace) -> DecisionInputs:
-        """What the replay's engine decides with: the acceptance trace's inputs, on this
-        timing's machine (its calibration and bytes per token) when it is another's;
-        rounds clipped to the run lengths the trace holds (``clip_rounds``)."""
-        return clip_rounds(self._machine_inputs(trace), trace)
+    def decision_inputs(self, trace: Trace, settings: Settings | None) -> DecisionInputs:
+        """What the replay's engine decides with: ``settings`` (None: the trace's recorded
+        ones) over the trace's facts, on this timing's machine (its calibration and bytes
+        per token) when it is another's."""
+        inputs = self._machine_inputs(trace, trace.require_inputs() if settings is None else trace.inputs)
+        return inputs if settings is None else inputs.with_settings(settings)
 
-    def _machine_inputs(self, trace: Trace) -> DecisionInputs:
-        inputs = trace.require_inputs()
+    def _machine_inputs(self, trace: Trace, inputs: DecisionInputs) -> DecisionInputs:
         if self.own:
             return inputs
         timings = self.inputs.timings if self.inputs is not None and self.inputs.timings is not None else self.fitted
@@ -53,20 +52,6 @@ class Timing:
         if self.inputs is not None:
             inputs = replace(inputs, target_sizes=self.inputs.target_sizes, draft_sizes=self.inputs.draft_sizes)
         return replace(inputs, timings=timings or inputs.timings)
-
-
-def clip_rounds(inputs: DecisionInputs, trace: Trace) -> DecisionInputs:
-    """``inputs`` with the planner's rounds no longer than every request's run lengths
-    reach (a trace recorded before rounds of 16 holds 8), with a warning: such a replay is
-    exact for the clipped planner, not for one drafting longer."""
-    held = min((r.max_k for r in trace.requests if r.lengths), default=None)
-    rounds = inputs.controller.rounds
-    if held is None or held >= rounds.max_k:
-        return inputs
-    warnings.warn(f"{trace.path.name}: run lengths reach {held} tokens; the planner's rounds are clipped from "
-                  f"{rounds.max_k} to {held}", stacklevel=2)
-    clipped = replace(rounds, max_k=held, shadow_length=min(rounds.shadow_length, held))
-    return replace(inputs, controller=replace(inputs.controller, rounds=clipped))
 
 
 def shape_of(meta: TraceMeta) -> dict:
@@ -93,10 +78,24 @@ def overhead_samples(trace: Trace, costs: OpCosts) -> list[tuple[RunRow, Overhea
     return samples
 
 
-def load_timing(path: str | Path, trace: Trace | None) -> Timing:
-    """The timing at ``path`` for replaying ``trace`` (``path`` may be the trace itself;
-    ``trace`` None: the timing alone, for its own sake)."""
-    path = Path(path)
+def timing_path(trace: Trace) -> Path:
+    """Where a trace's costs come from when no ``--timing`` is given: its own ops, else the
+    timing trace its metadata names (a sibling directory)."""
+    if trace.ops:
+        return trace.path
+    named = trace.meta.config.get(META_TIMING_TRACE)
+    if named is None:
+        raise TraceError(f"{trace.path}: the trace holds no ops and names no timing trace; give one (--timing DIR)")
+    path = trace.path.parent / named
+    if not path.is_dir():
+        raise TraceError(f"{trace.path}: its timing trace {named!r} is not beside it ({path})")
+    return path
+
+
+def load_timing(path: str | Path | None, trace: Trace | None) -> Timing:
+    """The timing at ``path`` for replaying ``trace`` (``path`` may be the trace itself, or
+    None: ``timing_path(trace)``; ``trace`` None: the timing alone, for its own sake)."""
+    path = timing_path(trace) if path is None else Path(path)
     own = trace is not None and path.resolve() == Path(trace.path).resolve()
     meta = trace.meta if own else read_meta(path, "ops")
     if trace is not None and not own:
@@ -105,11 +104,11 @@ def load_timing(path: str | Path, trace: Trace | None) -> Timing:
     costs = fit_op_costs(ops)
     source = trace if own else _full_trace(path)
     overhead = Overhead()
-    if source is not None and source.runs and source.inputs is not None:
+    if source is not None and source.runs and source.settings_problem is None:
         overhead = fit_overhead([sample for _, sample in overhead_samples(source, costs)])
     inputs = None
     if META_DECISION_INPUTS in meta.config:
-        inputs = settings_from_json(DecisionInputs, meta.config[META_DECISION_INPUTS])
+        inputs = inputs_from_json(meta.config[META_DECISION_INPUTS])[0]
     try:
         fitted = fit_timings(ops)
     except ValueError:

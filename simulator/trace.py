@@ -8,7 +8,9 @@ is the one its run lengths were recorded with).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -17,7 +19,7 @@ import numpy as np
 from profiler.schema import META_DECISION_INPUTS, OpRow, RequestRow, RunRow, TraceError, TraceMeta, table_to_rows
 from profiler.trace_io import read_meta, read_table
 from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, RunLengths, ngram_run_lengths
-from rakv.settings import DecisionInputs, settings_from_json
+from rakv.settings import DecisionInputs, inputs_from_json
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,8 @@ class RecordedRequest:
 class Trace:
     path: Path
     meta: TraceMeta
-    inputs: DecisionInputs | None  # None: a trace older than schema 1.2
+    inputs: DecisionInputs  # the recorded facts, with the recorded settings (else today's: ``settings_problem``)
+    settings_problem: str | None  # why the recorded settings cannot be read (an older engine's), or None
     target_namespace: str  # the models' fingerprints: the store's namespaces
     draft_namespace: str | None
     requests: tuple[RecordedRequest, ...]  # in workload order
@@ -48,9 +51,12 @@ class Trace:
     by_id: Mapping[int, RecordedRequest]
 
     def require_inputs(self) -> DecisionInputs:
-        if self.inputs is None:
-            raise TraceError(f"{self.path}: the trace records no decision inputs (schema before 1.2); "
-                             "re-record it to replay the store and the adaptive policy")
+        """The facts and settings the recording decided with: what ``--as-recorded``
+        replays; a one-line ``TraceError`` if its settings are an older engine's."""
+        if self.settings_problem is not None:
+            raise TraceError(f"{self.path}: its recorded settings cannot be replayed ({self.settings_problem}); "
+                             f"replay it under today's settings (without --as-recorded), or re-record it: "
+                             f"bash scripts/record_traces.sh {self.path.name}")
         return self.inputs
 
 
@@ -60,20 +66,35 @@ def load_trace(path: str | Path) -> Trace:
     if not path.exists():
         raise TraceError(f"{path}: no such trace directory")
     meta = read_meta(path, "requests")
-    inputs = None
-    if META_DECISION_INPUTS in meta.config:
-        try:
-            inputs = settings_from_json(DecisionInputs, meta.config[META_DECISION_INPUTS])
-        except (TypeError, ValueError) as exc:
-            raise TraceError(f"{path}: its decision inputs cannot be read: {exc}") from None
-    ngram = inputs.engine.ngram if inputs is not None else NgramConfig()
+    if META_DECISION_INPUTS not in meta.config:
+        raise TraceError(f"{path}: the trace records no decision inputs (an older engine's); "
+                         f"re-record it: bash scripts/record_traces.sh {path.name}")
+    try:
+        inputs, problem = inputs_from_json(meta.config[META_DECISION_INPUTS])
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{path}: its decision inputs cannot be read: {exc}") from None
+    if problem is not None:
+        warnings.warn(f"{path.name}: recorded by an older engine ({problem}); it replays under today's settings "
+                      f"only; re-record it with bash scripts/record_traces.sh {path.name}", stacklevel=2)
+    ngram = inputs.engine.ngram
     requests = tuple(_recorded(row, ngram, path) for row in table_to_rows("requests", read_table(path, "requests")))
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
-    return Trace(path=path, meta=meta, inputs=inputs, target_namespace=meta.models.get("target"),
+    return Trace(path=path, meta=meta, inputs=inputs, settings_problem=problem, target_namespace=meta.models.get("target"),
                  draft_namespace=meta.models.get("draft"), requests=requests,
                  runs=tuple(table_to_rows("runs", read_table(path, "runs"))),
                  ops=tuple(table_to_rows("ops", read_table(path, "ops"))), by_id={r.request_id: r for r in requests})
+
+
+def under_ngram(trace: Trace, ngram: NgramConfig) -> Trace:
+    """``trace`` with prompt lookup's run lengths and signals for ``ngram`` (the trace's own
+    when it was recorded with it): they are functions of the stored tokens."""
+    if ngram == trace.inputs.engine.ngram:
+        return trace
+    requests = tuple(
+        replace(r, lengths={**r.lengths, NGRAM: ngram_run_lengths(r.prompt_ids, r.output_ids, r.max_k, ngram)})
+        if NGRAM in r.lengths else r for r in trace.requests)
+    return replace(trace, requests=requests, by_id={r.request_id: r for r in requests})
 
 
 def _recorded(row: RequestRow, ngram: NgramConfig, path: Path) -> RecordedRequest:

@@ -6,9 +6,11 @@ error of the simulated end-to-end time and time to first token against the measu
 ones; and, per request, the Spearman correlation between the policies' simulated and
 measured times (does the simulator rank the actions as the machine did?).
 
+Runs replay under the settings the trace was recorded with (the runs ran under them).
 No run's own time enters the model that predicts it: the op costs come from the ops
-table, and the overhead fitted from the runs table (``simulator.costs.fit_overhead``) is
-fitted, for each request, on the runs of every other request (leave one request out).
+table, and the overhead beyond them (``simulator.costs.fit_overhead``) is fitted, for
+each request, on the runs of every other request (leave one request out), or with
+``--fit-on``, on other traces' runs only: a workload the fit has never seen.
 Imports no torch.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from simulator.timing import overhead_samples
 from simulator.trace import load_trace
 
 SPLIT = "leave one request out"
+SETTINGS = "as recorded"
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class PolicyFidelity:
 @dataclass(frozen=True)
 class Fidelity:
     trace: str
-    split: str
+    split: str  # what the overhead was fitted on
+    settings: str  # what the runs replayed under
     policies: dict[str, PolicyFidelity]
     spearman: float  # mean over requests run under at least 3 policies
     num_requests: int
@@ -84,11 +88,15 @@ def rounds_off_min_k_mt(run, request) -> int:
     return off
 
 
-def validate(path: str | Path) -> Fidelity:
+def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
+    """``fit_on``: traces (of this machine) whose runs alone fit the overhead; none: this
+    trace's other requests."""
     trace = load_trace(path)
     if not trace.runs:
         raise TraceError(f"{path}: the trace has no measured runs to validate against")
+    trace.require_inputs()  # its runs replay under its recorded settings
     costs = fit_op_costs(trace.ops)
+    elsewhere = [sample for other in fit_on for sample in _samples_of(other)]
     mismatches: dict[str, list[str]] = {}
     for policy in sorted({r.policy for r in trace.runs}):
         mismatches[policy] = [m for run, replayed in replay_runs(trace, policy) if (m := run_mismatch(run, replayed))]
@@ -96,7 +104,7 @@ def validate(path: str | Path) -> Fidelity:
     samples = {(run.policy, run.request_id): sample for run, sample in overhead_samples(trace, costs)}
     predicted: dict[tuple[str, int], tuple[float, float]] = {}
     for request_id in sorted({r.request_id for r in runs}):
-        overhead = fit_overhead([s for (p, rid), s in samples.items() if rid != request_id])
+        overhead = fit_overhead(elsewhere or [s for (p, rid), s in samples.items() if rid != request_id])
         for (policy, rid), s in samples.items():
             if rid == request_id:
                 cost = with_overhead(s.cost, overhead, s.num_rounds, s.adaptive)
@@ -117,13 +125,21 @@ def validate(path: str | Path) -> Fidelity:
             if not np.isnan(rho):
                 correlations.append(rho)
     first = next((m[0] for m in mismatches.values() if m), None)
-    return Fidelity(Path(path).name, SPLIT, policies, float(np.mean(correlations)) if correlations else float("nan"),
+    split = f"on {', '.join(Path(p).name for p in fit_on)} only" if fit_on else SPLIT
+    return Fidelity(Path(path).name, split, SETTINGS, policies, float(np.mean(correlations)) if correlations else float("nan"),
                     len({r.request_id for r in runs}), first)
 
 
+def _samples_of(path: str | Path) -> list:
+    other = load_trace(path)
+    if not other.runs:
+        raise TraceError(f"{path}: the trace has no measured runs to fit on")
+    return [sample for _, sample in overhead_samples(other, fit_op_costs(other.ops))]
+
+
 def markdown(fidelity: Fidelity) -> str:
-    lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, overhead fitted {fidelity.split}; "
-             f"action-ranking Spearman {fidelity.spearman:.3f}", "",
+    lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, settings {fidelity.settings}, overhead fitted "
+             f"{fidelity.split}; action-ranking Spearman {fidelity.spearman:.3f}", "",
              "| policy | runs | e2e MAPE | TTFT MAPE | replay mismatches | rounds | rounds off min(k, m_t) |",
              "|---|---|---|---|---|---|---|"]
     for name, p in fidelity.policies.items():
@@ -135,7 +151,7 @@ def markdown(fidelity: Fidelity) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    fidelity = validate(args.trace)
+    fidelity = validate(args.trace, tuple(args.fit_on))
     print(json.dumps(asdict(fidelity)) if args.json else markdown(fidelity))
     return 1 if any(p.round_mismatches or p.rounds_off_min_k_mt for p in fidelity.policies.values()) else 0
 
@@ -145,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Compare simulated with measured runs of a trace, per policy. "
                                             "Exit status 1 if any replayed round differs from the recorded one.")
     p.add_argument("--trace", type=Path, required=True, help="trace directory with a runs table")
+    p.add_argument("--fit-on", nargs="+", type=Path, default=(), metavar="TRACE",
+                   help="fit the overhead on these traces' runs only (recorded on the same machine), not on the "
+                        "trace's own: an out-of-sample check")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, SessionError, OSError))
 

@@ -267,10 +267,29 @@ def test_rakv_probes_an_unseen_draft_model_then_trusts_what_it_measured():
     assert policy.seen == {"draft"} and policy.decide(features()).k == 0
 
 
-def test_settings_written_before_a_field_existed_replay_as_they_ran():
-    from rakv.settings import settings_from_json
-    old = settings_from_json(ControllerConfig, {"ewma_decay": 0.3, "memory_limit_bytes": None, "rounds": {
-        "recency": 0.1, "max_k": 8, "min_gain": 0.25}})
-    assert (old.probe_margin, old.rounds.draft_confidence, old.rounds.shadow_length) == (0.0, 0.0, 8)
-    new = ControllerConfig()
-    assert (new.probe_margin, new.rounds.draft_confidence, new.rounds.shadow_length) == (0.15, 0.4, 16)
+def test_settings_written_before_a_field_existed_are_refused_naming_it():
+    """No setting is guessed: one a file lacks is an error that names it (a replay then
+    runs today's settings, see test_simulator)."""
+    from rakv.settings import settings_from_json, settings_to_json
+    with pytest.raises(ValueError, match="'probe_margin' is missing"):
+        settings_from_json(ControllerConfig, {"ewma_decay": 0.3, "memory_limit_bytes": None, "rounds": {
+            "recency": 0.1, "max_k": 8, "min_gain": 0.25}})
+    assert settings_from_json(ControllerConfig, settings_to_json(ControllerConfig())) == ControllerConfig()
+
+
+def test_override_sets_any_setting_by_section_or_path_and_refuses_bad_ones():
+    from rakv.settings import Settings, differences, override, overrides_from_json
+    settings = override(Settings(), "planner.min_gain=0.2")
+    settings = override(settings, "store.mode=prompt")
+    settings = override(settings, "controller.rounds.max_k=8")
+    settings = override(settings, "controller.memory_limit_bytes=null")
+    assert (settings.controller.rounds.min_gain, settings.engine.store.mode, settings.controller.rounds.max_k) == (
+        0.2, "prompt", 8)
+    assert differences(settings, Settings()) == ["store.mode=\"prompt\"", "planner.max_k=8", "planner.min_gain=0.2"]
+    assert overrides_from_json({"planner": {"min_gain": 0.3}, "ngram": {"max_ngram": 4}}) == [
+        "planner.min_gain=0.3", "ngram.max_ngram=4"]
+    for bad, message in (("planner.min_gian=1", "no such setting"), ("planner.max_k=99", "max_k"),
+                         ("planner.min_gain=fast", "expected float"), ("store.budget_bytes=1.5", "expected int"),
+                         ("min_gain", "SECTION.KEY=VALUE"), ("planner=1", "no such setting")):
+        with pytest.raises(ValueError, match=message):
+            override(Settings(), bad)

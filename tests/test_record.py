@@ -172,11 +172,23 @@ def test_resume_refuses_changed_decision_inputs(trace, monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "config.decision_inputs.timings.lookup_s differs" in err
 
 
+def test_a_workload_line_may_carry_fields_it_does_not_use_with_one_warning(tmp_path):
+    """Data sets carry an id, a source: such lines are read, their extra fields ignored,
+    and one warning names them all."""
+    from rakv.prompt_file import read_prompt_file
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"id": 1, "source": "web", "prompt": "a"}\n{"id": 2, "source": "web", "lang": "en", '
+                       '"prompt": "b"}\n')
+    with pytest.warns(UserWarning) as caught:
+        lines = read_prompt_file(prompts)
+    assert [line.prompt for line in lines] == ["a", "b"] and len(caught) == 1
+    assert "ignoring fields 'id', 'lang', 'source'" in str(caught[0].message)
+
+
 @pytest.mark.parametrize("lines, message", [
     ('{"prompt": 5}\n', "mine.jsonl:1: 'prompt' must be non-empty text"),
     ('{"prompt": "ok"}\n{"prompt_ids": [1, -2]}\n', "mine.jsonl:2: 'prompt_ids' must be"),
     ('{"prompt": "ok", "arrival_s": 3}\n{"prompt": "b", "arrival_s": 1}\n', "mine.jsonl:2: 'arrival_s' 1.0 is earlier"),
-    ('{"prompt": "ok", "max_tokens": 3}\n', "mine.jsonl:1: unknown field 'max_tokens'"),
     ('{"prompt": "ok"\n', "mine.jsonl:1: not valid JSON"),
     ('{"prompt": "ok"}\n{"prompt_ids": [99999]}\n', "mine.jsonl:2: token id 99999 is outside the vocabulary"),
     ('\n\n', "no prompts"),

