@@ -27,8 +27,8 @@ GOAL_DECIDE_US = 100.0
 def decide_us(policy_path: Path, trace_path: Path) -> float:
     """Median microseconds of one decision, over the trace's requests as the simulator
     presents them."""
-    from policy.learned import LearnedPolicy, load_policy
     from rakv.cost_model import RequestFeatures
+    from rakv.learned import LearnedPolicy, load_policy
     from rakv.store_model import PrefixMatch
     from simulator.trace import load_trace
     trace = load_trace(trace_path)
@@ -48,18 +48,19 @@ def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, ma
          linear_kernels: str = "auto") -> dict:
     import torch
     torch.set_num_threads(1)
-    from policy.learned import learned_or_fallback
     from profiler.record import prompt_ids
     from profiler.workloads import load_workload
     from rakv.calibrate import load_or_calibrate
-    from rakv.controller import make_policy
+    from rakv.controller import ControllerConfig
     from rakv.engine import Engine
     from rakv.models import load_pair
+    from rakv.policies import LEARNED, resolve_policy
     pair = load_pair(pair_name, linear_kernels=linear_kernels)
     timings = load_or_calibrate(pair)
-    engines = {"rakv": Engine(pair, make_policy("rakv", timings)),
-               "learned": Engine(pair, learned_or_fallback(policy_path, timings, pair.target_fingerprint,
-                                                           pair.draft_fingerprint, strict=True))}
+    names = {"rakv": "rakv", "learned": f"{LEARNED}={policy_path}"}  # row name -> policy name
+    engines = {row: Engine(pair, resolve_policy(name, timings, ControllerConfig(), pair.target_fingerprint,
+                                                pair.draft_fingerprint, pair_name, strict=True))
+               for row, name in names.items()}
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
     done: dict[int, SimpleNamespace] = {}  # by request id: prompt_ids and output_ids, as a recording keeps them

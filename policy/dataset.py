@@ -3,7 +3,7 @@ labelled with the choice's cost. Imports no torch.
 
 A trace's requests are served in order by the oracle (``simulator.oracle``), whose store
 and running ``rakv`` estimates evolve as the oracle's choices make them; before each
-request, every choice (``rakv.choices``) gets its features (``policy.features``) and its
+request, every choice (``rakv.choices``) gets its features (``rakv.learned_features``) and its
 cost: **measured**, from the runs table, where the trace ran that choice on that request
 from the same store contents and with the same rounds; **simulated** (exact acceptance,
 fitted costs) elsewhere. ``Group.measured`` says which.
@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from policy.features import FEATURES, adaptive_choice, feature_rows
-from rakv.choices import Choice
-from rakv.controller import ControllerConfig, fixed_action
+from rakv.choices import Choice, adaptive_choice, fixed_action
+from rakv.controller import ControllerConfig
+from rakv.learned_features import FEATURES, feature_rows
 from simulator.oracle import Oracle
 from simulator.schedule import schedule
 from simulator.session import replay_runs

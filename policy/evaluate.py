@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.learned import PolicyFileError, load_policy
 from policy.model import Metrics, analytic_scores, fixed_scores, metrics, model_scores
 from policy.train import groups_of
 from profiler.schema import TraceError
 from rakv.cli import run_cli
+from rakv.learned import PolicyFileError, load_policy
 from simulator.costs import CostModelError
 from simulator.session import SessionError
 from simulator.timing import load_timing

@@ -1,4 +1,4 @@
-"""The learned cost ranker: LightGBM over ``policy.features``, and how well it chooses.
+"""The learned cost ranker: LightGBM over ``rakv.learned_features``, and how well it chooses.
 Imports no torch.
 
 Two kinds, the evaluation decides between them:
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from policy.dataset import Group, stack
-from policy.features import ANALYTIC_COLUMN, FEATURES
-from policy.learned import scores
+from rakv.learned import scores
+from rakv.learned_features import ANALYTIC_COLUMN, FEATURES
 from simulator.validate import spearman
 
 KINDS = ("regression", "lambdarank")

@@ -11,22 +11,25 @@ the controller's EWMA decay and planner margin together, minimising the mean reg
 validation; every trial is stored (a SQLite file beside ``--out`` by default, or any
 SQLAlchemy URL, so several machines can tune one study), and a study resumes where it
 stopped: ``--trials`` is the total it runs to. The best trial's model is refitted on train
-and validation and exported (``policy.learned``) with its test metrics. Imports no torch.
+and validation and exported (``save_policy``: the format ``rakv.learned`` loads) with its
+test metrics. Imports no torch.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from policy.dataset import SPLITS, build_groups, split_families
-from policy.learned import save_policy
 from policy.model import KINDS, analytic_scores, metrics, model_scores, train
 from profiler.schema import SCHEMA_VERSION, TraceError
 from rakv.cli import run_cli
 from rakv.controller import ControllerConfig
+from rakv.learned import FORMAT, FORMAT_VERSION, MODEL_FILE, SIDECAR_FILE, SIDECAR_KEYS
+from rakv.learned_features import FEATURES
 from rakv.round_planner import PlannerConfig
 from rakv.settings import settings_to_json
 from simulator.costs import CostModelError
@@ -178,6 +181,19 @@ def tune(data: Data, storage: str, name: str, trials: int, seed: int):
         bar.update(1)
     bar.close()
     return study
+
+
+def save_policy(path: Path, booster, sidecar: dict) -> None:
+    """Write the model and its sidecar, each atomically (temp file, then rename)."""
+    path.mkdir(parents=True, exist_ok=True)
+    sidecar = {"format": FORMAT, "format_version": FORMAT_VERSION, "features": list(FEATURES), **sidecar}
+    missing = [k for k in SIDECAR_KEYS if k not in sidecar]
+    if missing:
+        raise ValueError(f"policy sidecar lacks {', '.join(missing)}")
+    for name, text in ((MODEL_FILE, booster.model_to_string()), (SIDECAR_FILE, json.dumps(sidecar, indent=1))):
+        tmp = path / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(path / name)
 
 
 def export(data: Data, study, out: Path, seed: int) -> dict:

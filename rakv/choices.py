@@ -3,18 +3,77 @@ or not (r), and either a fixed (drafter, k) for every round (k = 0: plain steps)
 adaptive planner (``rakv``'s per-round planning) with or without the draft model readied.
 Imports no torch.
 
-The oracle (``simulator.oracle``) weighs every choice; the learned policy
-(``policy.learned``) ranks them. An adaptive choice's planner starts from a ``rakv``
-policy's running estimates, which the caller keeps.
+The one list of choices: ``R_CHOICES``, ``K_CHOICES`` and ``FIXED_KINDS`` below. The fixed
+policies' names and help, the analytic policy's actions (``rakv.controller``), the
+oracle's and the learned policy's choices (``simulator.oracle``, ``rakv.learned``) all
+derive from them: adding a k is a change to ``K_CHOICES``, adding a drafter a line in
+``FIXED_KINDS``. Each list keeps its own order (policy names group by kind, the choices by
+r), which traces, replays and the shipped learned policies' sidecars rely on.
+
+An adaptive choice's planner starts from a ``rakv`` policy's running estimates, which the
+caller keeps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rakv.controller import CostModelPolicy, RoundPlanner
-from rakv.cost_model import K_CHOICES, Action, RequestFeatures
+from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.round_planner import FixedRounds
+from rakv.round_planner import AdaptiveRounds, FixedRounds
+
+if TYPE_CHECKING:  # the controller imports this module
+    from rakv.controller import CostModelPolicy
+
+R_CHOICES = (0, 1)  # 0: compute the prompt, 1: reuse stored KV
+K_CHOICES = (0, 1, 2, 4, 6, 8)  # draft tokens per round of a fixed policy; 0: plain steps
+DRAFT_KS = K_CHOICES[1:]
+PLAIN_NAMES = ("ar", "kv-only")  # the k = 0 policy under each r
+# Per drafter, in the order its choices are listed: the kind of its fixed policies under
+# each r (their names are "<kind>-k<k>")
+FIXED_KINDS = {DRAFT_MODEL: ("spec", "joint"), NGRAM: ("ngram", "joint-ngram")}
+ADAPTIVE_NAME = "rakv"
+FIXED_POLICY_HELP = (", ".join(PLAIN_NAMES + tuple(f"{kind}-kN" for kinds in FIXED_KINDS.values() for kind in kinds))
+                     + f" (N in {', '.join(map(str, DRAFT_KS))}), {ADAPTIVE_NAME}")
+
+
+def usable_drafters(draft_model: bool) -> tuple[str, ...]:
+    """The drafters a pair can run, in ``FIXED_KINDS`` order (the draft model needs one)."""
+    return tuple(d for d in FIXED_KINDS if draft_model or d != DRAFT_MODEL)
+
+
+def readied_drafters(action: Action) -> tuple[str, ...]:
+    """The drafters an action readies for adaptive rounds: prompt lookup always (it needs no
+    cache), the draft model only when the action prefills it."""
+    return (DRAFT_MODEL, NGRAM) if action.k and action.drafter == DRAFT_MODEL else (NGRAM,)
+
+
+def fixed_policy_name(action: Action) -> str:
+    """A fixed action's policy name: ``ar``, ``kv-only`` or ``<kind>-k<k>``."""
+    return PLAIN_NAMES[action.r] if action.k == 0 else f"{FIXED_KINDS[action.drafter][action.r]}-k{action.k}"
+
+
+def fixed_policy_names(draft_model: bool = True) -> tuple[str, ...]:
+    """Every fixed policy: ar, kv-only, then each kind (each drafter's under r = 0, then
+    r = 1) and k; ``draft_model`` False leaves out those that need a draft model."""
+    actions = tuple(Action(r, 0) for r in R_CHOICES) + tuple(
+        Action(r, k, d) for d in usable_drafters(draft_model) for r in R_CHOICES for k in DRAFT_KS)
+    return tuple(fixed_policy_name(a) for a in actions)
+
+
+def priced_actions(drafters: tuple[str, ...]) -> tuple[Action, ...]:
+    """The fixed actions the analytic policy prices: k = 0 under each r, then each drafter's
+    k under each r."""
+    return tuple(Action(r, 0) for r in R_CHOICES) + tuple(
+        Action(r, k, d) for d in drafters for k in DRAFT_KS for r in R_CHOICES)
+
+
+_BY_NAME = {fixed_policy_name(a): a for a in priced_actions(usable_drafters(True))}
+
+
+def fixed_action(name: str) -> Action | None:
+    """The action of a fixed policy name, or None if ``name`` is not a fixed policy."""
+    return _BY_NAME.get(name)
 
 
 @dataclass(frozen=True, order=True)
@@ -38,15 +97,20 @@ class Choice:
         return str(self.action)
 
 
+def adaptive_choice(action: Action) -> Choice:
+    """The choice the analytic ``rakv`` policy makes with ``action``: adaptive rounds, with
+    the draft model readied if the action readies it (``Choice.action``'s inverse)."""
+    return Choice(action.r, True, DRAFT_MODEL if DRAFT_MODEL in readied_drafters(action) else NGRAM, 0)
+
+
 def all_choices(draft_model: bool, adaptive: bool = True) -> tuple[Choice, ...]:
     """Every choice, under r = 0 then r = 1: k = 0, each drafter's fixed k, then the adaptive
     planner without and with the draft model (``draft_model`` False: no draft-model choice;
     ``adaptive`` False: no adaptive choice)."""
-    drafters = ((DRAFT_MODEL,) if draft_model else ()) + (NGRAM,)
     choices = []
-    for r in (0, 1):
+    for r in R_CHOICES:
         choices.append(Choice(r, False, DRAFT_MODEL, 0))
-        choices += [Choice(r, False, d, k) for d in drafters for k in K_CHOICES[1:]]
+        choices += [Choice(r, False, d, k) for d in usable_drafters(draft_model) for k in DRAFT_KS]
         if adaptive:
             choices.append(Choice(r, True, NGRAM, 0))
             if draft_model:
@@ -54,7 +118,8 @@ def all_choices(draft_model: bool, adaptive: bool = True) -> tuple[Choice, ...]:
     return tuple(choices)
 
 
-def make_planner(choice: Choice, features: RequestFeatures, policy: CostModelPolicy | None) -> RoundPlanner:
+def make_planner(choice: Choice, features: RequestFeatures,
+                 policy: CostModelPolicy | None) -> FixedRounds | AdaptiveRounds:
     """A fresh planner for the choice; an adaptive one starts from ``policy``'s estimates."""
     if not choice.adaptive:
         return FixedRounds(choice.drafter, choice.k)

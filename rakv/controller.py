@@ -5,7 +5,7 @@ One interface serves the engine and the simulator: ``decide(features) -> Action`
 request runs, ``planner(features, action)`` for its rounds (``rakv.round_planner``) and
 ``observe(outcome)`` after it. Imports no torch.
 
-Fixed policies: ``ar`` (0,0), ``kv-only`` (1,0), ``spec-kN`` (0,N), ``joint-kN`` (1,N)
+Fixed policies (named in ``rakv.choices``): ``ar`` (0,0), ``kv-only`` (1,0), ``spec-kN`` (0,N), ``joint-kN`` (1,N)
 with the draft model, ``ngram-kN`` (0,N) and ``joint-ngram-kN`` (1,N) with prompt lookup.
 The adaptive policy ``rakv`` prices every action with the analytic cost model under an
 EWMA of each drafter's acceptance, drops actions whose working KV would exceed the memory
@@ -14,32 +14,18 @@ adapt: each re-chooses the drafter and k from the request's own acceptance so fa
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
-from rakv.cost_model import (K_CHOICES, Action, PairTimings, RequestFeatures, action_bytes, action_costs_s,
-                             decode_context)
-from rakv.drafters import DRAFT_MODEL, NGRAM
+# fixed_policy_names: profiler.record and bench.policies import it from here (its home is rakv.choices)
+from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, fixed_action, fixed_policy_names,
+                          priced_actions, readied_drafters, usable_drafters)
+from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context
+from rakv.drafters import DRAFT_MODEL
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
 
 RoundPlanner = FixedRounds | AdaptiveRounds
-
-FIXED_POLICY_HELP = "ar, kv-only, spec-kN, joint-kN, ngram-kN, joint-ngram-kN (N in 1, 2, 4, 6, 8), rakv"
-_DRAFT_MODEL_KINDS = ("spec", "joint")
-_NGRAM_KINDS = ("ngram", "joint-ngram")
-
-
-def fixed_policy_names(draft_model: bool = True) -> tuple[str, ...]:
-    """Every fixed policy: ar, kv-only, then each kind and k; ``draft_model`` False leaves
-    out those that need a draft model."""
-    kinds = (_DRAFT_MODEL_KINDS if draft_model else ()) + _NGRAM_KINDS
-    return ("ar", "kv-only") + tuple(f"{kind}-k{k}" for kind in kinds for k in K_CHOICES[1:])
-
-
-FIXED_POLICIES = fixed_policy_names()
-
 
 @dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
 class RequestOutcome:
@@ -106,7 +92,7 @@ class CostModelPolicy:
     name: str = "rakv"
 
     def __post_init__(self):
-        drafters = ((DRAFT_MODEL,) if self.timings.draft is not None else ()) + (NGRAM,)
+        drafters = usable_drafters(self.timings.draft is not None)
         self.drafters = drafters
         # EWMA of each drafter's per-token acceptance, from the calibration priors; and of
         # each (drafter, signal), which is where each request's rounds start from
@@ -114,8 +100,7 @@ class CostModelPolicy:
         self.signal_acceptance: dict[tuple[str, int], float] = {}
         self.seen: set[str] = set()  # drafters whose acceptance has been measured (see ControllerConfig.probe_margin)
         self._round_cost_memo: dict[tuple, RoundCosts] = {}
-        self.actions = tuple(Action(r, 0) for r in (0, 1)) + tuple(
-            Action(r, k, d) for d in drafters for k in K_CHOICES[1:] for r in (0, 1))
+        self.actions = priced_actions(drafters)
 
     def decide(self, features: RequestFeatures) -> Action:
         priced = self.priced(features)
@@ -156,7 +141,7 @@ class CostModelPolicy:
         """Rounds re-planned from the request's own acceptance. Prompt lookup is always
         ready (it needs no cache); the draft model only if the action prefilled it. Draft
         lengths stay within the memory limit."""
-        ready = (DRAFT_MODEL, NGRAM) if action.k and action.drafter == DRAFT_MODEL else (NGRAM,)
+        ready = readied_drafters(action)
         max_k = self.config.rounds.max_k
         limit = self.config.memory_limit_bytes
         while limit is not None and max_k > 0 and any(
@@ -202,29 +187,14 @@ class CostModelPolicy:
                 self.acceptance[drafter] = (1 - beta) * self.acceptance[drafter] + beta * rate
 
 
-_FIXED = re.compile(rf"^({'|'.join(_DRAFT_MODEL_KINDS + _NGRAM_KINDS)})-k(\d+)$")
-
-
-def fixed_action(name: str) -> Action | None:
-    """The action of a fixed policy name, or None if ``name`` is not a fixed policy."""
-    if name == "ar":
-        return Action(0, 0)
-    if name == "kv-only":
-        return Action(1, 0)
-    m = _FIXED.match(name)
-    if m and int(m.group(2)) in K_CHOICES[1:]:
-        kind = m.group(1)
-        return Action(int(kind.startswith("joint")), int(m.group(2)), NGRAM if kind.endswith("ngram") else DRAFT_MODEL)
-    return None
-
-
 def make_policy(name: str, timings: PairTimings | None = None,
                 config: ControllerConfig = ControllerConfig()) -> Policy:
-    """Build a policy by name; raises ValueError naming the valid choices."""
+    """A built-in policy (fixed or ``rakv``) by name; raises ValueError naming the valid
+    choices. ``rakv.policies.resolve_policy`` resolves every name, learned policies too."""
     action = fixed_action(name)
     if action is not None:
         return FixedPolicy(name, action)
-    if name == "rakv":
+    if name == ADAPTIVE_NAME:
         if timings is None:
             raise ValueError("policy 'rakv' needs timing statistics (calibrate the pair first)")
         return CostModelPolicy(timings, config)

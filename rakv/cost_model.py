@@ -23,8 +23,6 @@ import numpy as np
 from rakv.drafters import DRAFT_MODEL, DRAFTERS, NGRAM
 from rakv.store_model import reused_positions
 
-K_CHOICES = (0, 1, 2, 4, 6, 8)
-
 
 @dataclass(frozen=True, order=True)
 class Action:
@@ -207,6 +205,7 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
                                 + draft.prefill_s(n + 1 - draft_reused, draft_reused))
     costs = []
     progress: dict[str, list[float]] = {}  # per drafter, E_k for every k: actions share them
+    max_k = max((action.k for action in actions), default=0)  # E_k up to the longest draft asked for
     for action in actions:
         k, drafter = action.k, action.drafter
         if rounds is None:
@@ -218,7 +217,7 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
             continue
         by_k = progress.get(drafter)
         if by_k is None:
-            by_k = progress[drafter] = progress_by_k(acceptance.get(drafter, 0.0), max(K_CHOICES))
+            by_k = progress[drafter] = progress_by_k(acceptance.get(drafter, 0.0), max_k)
         costs.append(start_s[action.r, drafter == DRAFT_MODEL] + remaining / by_k[k] * per_round_s)
     return costs
 

@@ -15,13 +15,15 @@ from collections import Counter
 from pathlib import Path
 
 from rakv.cli import run_cli
-from rakv.controller import FIXED_POLICY_HELP, ControllerConfig, fixed_action, make_policy
-from rakv.drafters import DRAFT_MODEL, NgramConfig
+from rakv.choices import fixed_action
+from rakv.controller import ControllerConfig
+from rakv.drafters import NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
 from rakv.store_model import STORE_MODES, StoreConfig
 from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 from rakv.models import BUILTIN_PAIRS, PairError
+from rakv.policies import POLICY_HELP, check_policy, resolve_policy
 from rakv.prompt_file import PromptLine, read_prompt_file
 
 DEMO_PROMPTS = (
@@ -44,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pair", default="tiny",
                    help=f"{', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT] (HF name, directory or .gguf) (default: tiny)")
     p.add_argument("--policy", default="rakv",
-                   help=f"{FIXED_POLICY_HELP}, or a learned policy's directory (policy.train's --out) (default: rakv)")
+                   help=f"{POLICY_HELP} (default: rakv)")
     p.add_argument("--strict", action="store_true",
                    help="a learned policy trained for other models is an error, not a fallback to rakv")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
@@ -74,12 +76,6 @@ def read_prompts(args: argparse.Namespace) -> list[PromptLine]:
     return prompts
 
 
-def is_policy_path(name: str) -> bool:
-    """Whether ``--policy`` names a learned policy's directory rather than a built-in policy."""
-    from policy.learned import SIDECAR_FILE
-    return "/" in name or (Path(name) / SIDECAR_FILE).is_file()
-
-
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -87,12 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--store-budget-mib must be positive, got {args.store_budget_mib}")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         raise ValueError(f"--memory-limit-mib must be positive, got {args.memory_limit_mib}")
-    learned = is_policy_path(args.policy)
-    if learned:
-        from policy.learned import load_policy
-        load_policy(args.policy)  # a bad policy file fails before any model loads
-    elif args.policy != "rakv" and fixed_action(args.policy) is None:
-        make_policy(args.policy)  # raises the one-line error naming the choices
+    check_policy(args.policy, args.pair)  # a bad name or policy file fails before any model loads
     prompts = read_prompts(args)
     demo = not prompts
     if demo:
@@ -106,18 +97,10 @@ def run(args: argparse.Namespace) -> int:
     from rakv.models import load_pair
 
     pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers, args.linear_kernels)
-    action = fixed_action(args.policy)
-    if action is not None and action.k > 0 and action.drafter == DRAFT_MODEL and pair.draft is None:
-        raise ValueError(f"policy {args.policy!r} needs a draft model; pair {args.pair!r} has none "
-                         f"(the ngram policies need none)")
-    timings = load_or_calibrate(pair, refresh=args.recalibrate) if args.policy == "rakv" or learned else None
+    timings = load_or_calibrate(pair, refresh=args.recalibrate) if fixed_action(args.policy) is None else None
     limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
-    if learned:
-        from policy.learned import learned_or_fallback
-        policy = learned_or_fallback(args.policy, timings, pair.target_fingerprint, pair.draft_fingerprint, args.strict,
-                                     limit)
-    else:
-        policy = make_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit))
+    policy = resolve_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit), pair.target_fingerprint,
+                            pair.draft_fingerprint, args.pair, args.strict)
     ngram = NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
     engine = Engine(pair, policy, EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store), ngram))
     requests = [(list(p.prompt_ids) if p.prompt_ids is not None else pair.encode(p.prompt),

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from profiler.schema import TraceError
+from rakv.choices import DRAFT_KS, usable_drafters
 from rakv.cli import run_cli
-from rakv.cost_model import K_CHOICES, expected_progress
-from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.cost_model import expected_progress
+from rakv.drafters import NGRAM
 from simulator.costs import CostModelError
 from simulator.timing import Timing, load_timing
 
@@ -63,11 +64,11 @@ def break_even(round_cost_s: float, step_cost_s: float, k: int) -> float | None:
 
 
 def crossovers(timing: Timing, context: int) -> list[Crossover]:
-    drafters = ((DRAFT_MODEL,) if timing.costs.draft is not None else ()) + (NGRAM,)
+    drafters = usable_drafters(timing.costs.draft is not None)
     step = step_s(timing, context)
     rows = []
     for drafter in drafters:
-        for k in K_CHOICES[1:]:
+        for k in DRAFT_KS:
             cost = round_s(timing, drafter, k, context)
             rows.append(Crossover(drafter, k, cost, step, break_even(cost, step, k)))
     return rows

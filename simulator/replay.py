@@ -26,7 +26,8 @@ import numpy as np
 
 from profiler.schema import TraceError
 from rakv.cli import run_cli
-from rakv.controller import FIXED_POLICY_HELP, fixed_policy_names, make_policy
+from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
+from rakv.policies import LEARNED, check_policy, resolve_policy, shipped_policy
 from rakv.settings import DecisionInputs
 from simulator.costs import CostModelError, request_cost
 from simulator.oracle import Oracle
@@ -36,8 +37,6 @@ from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
-SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "policies"
-LEARNED = "learned"  # learned[=PATH]: a policy directory written by policy.train
 PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
 
 
@@ -129,34 +128,25 @@ def summarize(policy: str, served: list[Served], oracle_service_s: float | None)
 def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
     """``all`` (with ``learned`` when the trace's pair has a shipped policy), or a
     comma-separated list; unknown names fail before any replay."""
-    known = list(fixed_policy_names(inputs.draft_sizes is not None)) + ["rakv", "oracle"]
+    pair = trace.meta.models.get("pair")
     if spec == "all":
-        return known[:-1] + ([LEARNED] if learned_path(LEARNED, trace).is_dir() else []) + known[-1:]
+        shipped = [LEARNED] if shipped_policy(pair) is not None else []
+        return list(fixed_policy_names(inputs.draft_sizes is not None)) + [ADAPTIVE_NAME] + shipped + ["oracle"]
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name not in known and not name.split("=")[0] == LEARNED:
-            if name != "oracle":
-                make_policy(name, inputs.timings)  # the one-line error naming the choices
-            raise ValueError(f"policy {name!r} needs a draft model; the trace's pair has none")
+        if name != "oracle":
+            check_policy(name, pair, inputs.draft_sizes is not None)  # the one-line error naming the choices
     return names
 
 
-def learned_path(name: str, trace: Trace) -> Path:
-    """``learned=PATH``'s path, or for ``learned`` the shipped policy of the trace's pair."""
-    if "=" in name:
-        return Path(name.split("=", 1)[1])
-    return SHIPPED_POLICIES / str(trace.meta.models.get("pair"))
-
-
 def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing, strict: bool = False) -> Session:
+    """A session of the named policy, resolved as ``rakv.generate`` resolves it
+    (``rakv.policies``); a learned policy decides with its own controller settings."""
     if name == "oracle":
         return Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
-    if name.split("=")[0] == LEARNED:
-        from policy.learned import learned_or_fallback
-        policy = learned_or_fallback(learned_path(name, trace), inputs.timings, trace.target_namespace,
-                                     trace.draft_namespace, strict)
-        return Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
-    return Session.for_policy(name, inputs, trace.target_namespace, trace.draft_namespace)
+    policy = resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
+                            trace.meta.models.get("pair"), strict)
+    return Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
 
 
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],

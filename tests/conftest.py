@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rakv.controller import FIXED_POLICIES, make_policy
+from rakv.choices import fixed_policy_names
+from rakv.controller import make_policy
 
-ALL_POLICIES = FIXED_POLICIES + ("rakv",)
+ALL_POLICIES = fixed_policy_names() + ("rakv",)
 SMOLLM2_MAX_CONTEXT = 320  # a cap below the model's 8192 positions keeps near-max prompts cheap on a CPU
 
 

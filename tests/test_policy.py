@@ -17,11 +17,11 @@ import pytest
 from conftest import hf_greedy
 from policy.dataset import build_groups, split_families
 from policy.evaluate import main as evaluate_main
-from policy.learned import LearnedPolicy, PolicyFileError, load_policy
 from policy.model import model_scores
 from policy.train import main as train_main
 from profiler.record import main as record
 from rakv.choices import all_choices
+from rakv.learned import LearnedPolicy, PolicyFileError, load_policy
 from simulator.replay import main as replay_main
 from simulator.timing import load_timing
 from simulator.trace import load_trace

@@ -6,8 +6,13 @@ A policy is a directory: ``model.txt`` (LightGBM's text format) and ``policy.jso
 sidecar: format version, feature list, choices, model kind, the trace schema, the
 hardware and model fingerprints it was trained for, the controller settings it was tuned
 with, its training metrics and split). Never a pickle. ``load_policy`` checks both files;
-any problem is a one-line ``PolicyFileError``. A policy trained for other models or
-hardware warns and falls back to the analytic controller, or fails under ``strict``.
+any problem is a one-line ``PolicyFileError``. ``policy.train`` writes the directory;
+``rakv.policies`` resolves a name to it, and falls back to the analytic controller with a
+warning (or fails under ``strict``) for a policy trained for other models.
+
+A learned policy runs with the controller settings it was tuned with (the sidecar's:
+``LearnedPolicy.controller``), whatever the caller's are; only the memory limit, a
+property of the machine, is the caller's.
 
 What it decides: r, and either a fixed (drafter, k) for every round or the adaptive
 planner with or without the draft model readied (``rakv.choices``). What it leaves to the
@@ -16,21 +21,20 @@ planner, when it picks an adaptive choice: each round's drafter and k.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from policy.features import ANALYTIC_COLUMN, FEATURES, feature_rows
 from rakv.choices import Choice, all_choices, make_planner
 from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome
 from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes
+from rakv.learned_features import ANALYTIC_COLUMN, FEATURES, feature_rows
 from rakv.settings import settings_from_json
 
 FORMAT = "rakv-learned-policy"
 FORMAT_VERSION = 1
-MODEL_FILE, SIDECAR_FILE = "model.txt", "policy.json"
+MODEL_FILE, SIDECAR_FILE = "model.txt", "policy.json"  # policy.train writes them; the keys below are checked here
 SIDECAR_KEYS = ("format", "format_version", "kind", "features", "choices", "schema_version", "hardware", "models",
                 "controller", "metrics", "split")
 
@@ -58,19 +62,6 @@ class PolicyFile:
                    for m in self.sidecar["models"])
 
 
-def save_policy(path: Path, booster, sidecar: dict) -> None:
-    """Write the model and its sidecar, each atomically (temp file, then rename)."""
-    path.mkdir(parents=True, exist_ok=True)
-    sidecar = {"format": FORMAT, "format_version": FORMAT_VERSION, "features": list(FEATURES), **sidecar}
-    missing = [k for k in SIDECAR_KEYS if k not in sidecar]
-    if missing:
-        raise ValueError(f"policy sidecar lacks {', '.join(missing)}")
-    for name, text in ((MODEL_FILE, booster.model_to_string()), (SIDECAR_FILE, json.dumps(sidecar, indent=1))):
-        tmp = path / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(path / name)
-
-
 def load_policy(path: str | Path) -> PolicyFile:
     path = Path(path)
     if not path.is_dir():
@@ -93,6 +84,10 @@ def load_policy(path: str | Path) -> PolicyFile:
         raise PolicyFileError(f"{path / SIDECAR_FILE}: trained on other features than this version computes")
     if sidecar["kind"] not in ("regression", "lambdarank"):
         raise PolicyFileError(f"{path / SIDECAR_FILE}: unknown model kind {sidecar['kind']!r}")
+    offered = {str(c) for c in all_choices(True)}
+    unknown = [c for c in sidecar["choices"] if c not in offered]
+    if unknown:  # the choices are named as rakv.choices names them; a renamed one would be ranked as another
+        raise PolicyFileError(f"{path / SIDECAR_FILE}: trained on choices this version does not offer: {unknown[0]}")
     try:
         settings_from_json(ControllerConfig, sidecar["controller"])
     except (TypeError, ValueError) as exc:
@@ -119,7 +114,8 @@ def scores(kind: str, outputs: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 class LearnedPolicy:
     """Ranks every choice with the model; plans adaptive rounds and keeps estimates with the
-    analytic policy inside it."""
+    analytic policy inside it, which runs the sidecar's controller settings (the features
+    and the planners were tuned with them) under the caller's memory limit."""
 
     name = "learned"
 
@@ -131,7 +127,8 @@ class LearnedPolicy:
         self._choice: Choice | None = None
 
     @property
-    def config(self) -> ControllerConfig:
+    def controller(self) -> ControllerConfig:
+        """The controller settings this policy runs: the sidecar's, with the memory limit."""
         return self.analytic.config
 
     @property
@@ -142,7 +139,7 @@ class LearnedPolicy:
         rows = feature_rows(features, self.analytic, self.choices)  # [choices, features]
         outputs = self.file.booster.predict(rows)  # every choice in one call
         ranked = scores(self.kind, outputs, rows)
-        limit = self.config.memory_limit_bytes
+        limit = self.controller.memory_limit_bytes
         if limit is not None:  # choices whose working KV would not fit are out
             fits = [action_bytes(c.action, features, self.analytic.timings) <= limit for c in self.choices]
             if not any(fits):
@@ -159,17 +156,3 @@ class LearnedPolicy:
 
     def observe(self, outcome: RequestOutcome) -> None:
         self.analytic.observe(outcome)
-
-
-def learned_or_fallback(path: str | Path, timings: PairTimings, target_fingerprint: str | None,
-                        draft_fingerprint: str | None, strict: bool = False, memory_limit_bytes: int | None = None):
-    """The learned policy at ``path`` for these models, or, if it was trained for others,
-    the analytic ``rakv`` policy with a warning (``strict``: a ``PolicyFileError``)."""
-    policy_file = load_policy(path)
-    if policy_file.trained_for(target_fingerprint, draft_fingerprint):
-        return LearnedPolicy(policy_file, timings, memory_limit_bytes)
-    message = f"{path}: trained for other models than these; "
-    if strict:
-        raise PolicyFileError(message + "refusing under --strict")
-    print(f"warning: {message}falling back to the analytic rakv policy", file=sys.stderr)
-    return CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes))

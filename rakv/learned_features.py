@@ -1,5 +1,6 @@
 """The learned policy's features: one row per (request, choice), all known before the
-request runs. Imports no torch.
+request runs. The live policy (``rakv.learned``) and training (``policy.dataset``) compute
+them here, so the two cannot drift apart. Imports no torch.
 
 Per request: prompt, hit and reusable lengths, whether it is an exact repeat, the
 decode context; the ``rakv`` policy's running acceptance estimates (per drafter, and per
@@ -16,7 +17,7 @@ import math
 
 import numpy as np
 
-from rakv.choices import Choice
+from rakv.choices import Choice, adaptive_choice, readied_drafters
 from rakv.controller import CostModelPolicy
 from rakv.cost_model import Action, RequestFeatures, decode_context
 from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
@@ -58,7 +59,7 @@ class _Layout:
         self.pools = {}
         for i, c in enumerate(choices):
             if c.adaptive:
-                usable = (NGRAM, DRAFT_MODEL) if c.drafter == DRAFT_MODEL else (NGRAM,)
+                usable = readied_drafters(c.action)
                 self.pools[i] = [j for j in self.fixed if choices[j].r == c.r
                                  and (choices[j].k == 0 or choices[j].drafter in usable)]
         self.plain = np.array([next(j for j in self.fixed if choices[j].r == c.r and choices[j].k == 0)
@@ -115,9 +116,3 @@ def feature_rows(features: RequestFeatures, policy: CostModelPolicy, choices: tu
     rows[:, -2] = np.log(analytic)
     rows[:, -1] = analytic / analytic[layout.plain]
     return rows
-
-
-def adaptive_choice(action: Action) -> Choice:
-    """The choice the analytic ``rakv`` policy makes with ``action``: adaptive rounds, with
-    the draft model readied if the action uses it."""
-    return Choice(action.r, True, DRAFT_MODEL if action.k and action.drafter == DRAFT_MODEL else NGRAM, 0)
