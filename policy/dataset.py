@@ -52,7 +52,7 @@ def build_groups(trace: Trace, timing: Timing, controller: ControllerConfig | No
     prefix families: more store and estimate states to learn from), served by the oracle
     (see the module docstring); ``controller`` replaces the recorded controller settings
     (EWMA decay, planner margin)."""
-    inputs = timing.decision_inputs(trace)
+    inputs = timing.decision_inputs(trace, None)  # the recorded settings, ``controller`` aside
     if controller is not None:
         inputs = replace(inputs, controller=controller)
     oracle = Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
