@@ -15,7 +15,7 @@ adapt: each re-chooses the drafter and k from the request's own acceptance so fa
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 # fixed_policy_names: profiler.record and bench.policies import it from here (its home is rakv.choices)
 from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, fixed_action, fixed_policy_names,
@@ -80,7 +80,6 @@ class ControllerConfig:
     # next request copies (without this rule, replaying Qwen on code readied the draft on 3
     # of 100 requests).
     ready_draft_over_plain: bool = True
-    ABSENT_MEANS: ClassVar[dict] = {"probe_margin": 0.0, "ready_draft_over_plain": False}  # in traces written before
 
 
 @dataclass

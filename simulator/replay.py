@@ -9,7 +9,12 @@ cheapest; each policy's regret is its total service time over the oracle's, minu
 
     python -m simulator.replay                                   # a shipped trace, every policy
     python -m simulator.replay --trace traces/smollm2-sharegpt --policy rakv --requests 10000 --json
-    python -m simulator.replay --trace traces/qwen-coder-humaneval --timing traces/qwen-coder-ops
+    python -m simulator.replay --trace traces/qwen-coder-humaneval --set planner.min_gain=0.2
+    python -m simulator.replay --trace traces/smollm2-chat --as-recorded
+
+A replay decides with today's engine settings over the trace's facts (tokens, run
+lengths, probabilities, op timings, calibration, model sizes), unless ``--as-recorded``;
+``--set`` and ``--settings`` change any setting; the output names the settings it ran.
 Imports no torch.
 """
 from __future__ import annotations
@@ -27,14 +32,16 @@ import numpy as np
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
-from rakv.policies import LEARNED, check_policy, resolve_policy, shipped_policy
-from rakv.settings import DecisionInputs
+from rakv.learned import load_policy
+from rakv.policies import LEARNED, check_policy, policy_path, resolve_policy, shipped_policy
+from rakv.settings import (SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json,
+                           settings_to_json)
 from simulator.costs import CostModelError, request_cost
 from simulator.oracle import Oracle
 from simulator.schedule import Arrival, ScheduleError, schedule
 from simulator.session import Session, SessionError
 from simulator.timing import Timing, load_timing
-from simulator.trace import Trace, load_trace
+from simulator.trace import Trace, load_trace, under_ngram
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
 PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
@@ -150,12 +157,11 @@ def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing
 
 
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
-           budget_bytes: int | None = None, strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
-    """Every named policy over the same arrivals (the oracle's regret baseline included)."""
-    inputs = timing.decision_inputs(trace)
-    if budget_bytes is not None:
-        inputs = replace(inputs, engine=replace(inputs.engine, store=replace(inputs.engine.store,
-                                                                             budget_bytes=budget_bytes)))
+           settings: Settings | None = Settings(), strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
+    """Every named policy over the same arrivals (the oracle's regret baseline included),
+    deciding with ``settings`` (default: today's; None: the trace's recorded ones)."""
+    inputs = timing.decision_inputs(trace, settings)
+    trace = under_ngram(trace, inputs.engine.ngram)
     order = ["oracle"] + [n for n in names if n != "oracle"]
     total = len(order) * len(arrivals)
     progress = None
@@ -197,13 +203,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help=f"acceptance trace directory (default: {DEFAULT_TRACE.relative_to(DEFAULT_TRACE.parents[1])})")
     p.add_argument("--timing", type=Path, default=None,
-                   help="timing trace of the same model shapes, perhaps another machine's (default: the trace's own ops)")
+                   help="timing trace of the same model shapes, perhaps another machine's (default: the trace's "
+                        "own ops, else the timing trace its metadata names)")
     p.add_argument("--policy", default="all",
                    help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle, learned[=PATH] "
                         "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
     p.add_argument("--strict", action="store_true",
                    help="a learned policy trained for other models is an error, not a fallback to rakv")
-    p.add_argument("--budget-mib", type=float, default=None, help="prefix store budget (default: the recorded one)")
+    p.add_argument("--as-recorded", action="store_true",
+                   help="decide with the settings the trace was recorded with (default: today's engine defaults)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change one setting, e.g. planner.min_gain=0.2 or store.mode=prompt (sections: "
+                        f"{', '.join(SECTIONS)}); repeatable, applied after --settings")
+    p.add_argument("--settings", type=Path, default=None, metavar="FILE",
+                   help='a JSON file of settings by section, e.g. {"planner": {"min_gain": 0.2}}')
+    p.add_argument("--budget-mib", type=float, default=None,
+                   help="prefix store budget (short for --set store.budget_bytes=...; default: the settings')")
     p.add_argument("--arrival-rate", type=float, default=None,
                    help="Poisson arrivals per second (default: the recorded arrival times)")
     p.add_argument("--requests", type=int, default=None,
@@ -214,21 +229,75 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def replay_settings(args: argparse.Namespace, trace: Trace) -> Settings | None:
+    """Today's defaults, or with ``--as-recorded`` the trace's (None), then the user's
+    changes; unknown keys and bad values are one-line errors."""
+    assignments = list(args.assignments)
+    if args.settings is not None:
+        try:
+            assignments = overrides_from_json(json.loads(args.settings.read_text())) + assignments
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{args.settings}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    if args.budget_mib is not None:
+        if args.budget_mib <= 0:
+            raise ValueError(f"--budget-mib must be positive, got {args.budget_mib}")
+        assignments.append(f"store.budget_bytes={int(args.budget_mib * 2**20)}")
+    if args.as_recorded and not assignments:
+        return None
+    settings = trace.require_inputs().settings if args.as_recorded else Settings()
+    for assignment in assignments:
+        settings = override(settings, assignment)
+    return settings
+
+
+def settings_line(settings: Settings | None, trace: Trace) -> str:
+    """Which settings a replay ran: today's or the recorded ones, and what differs."""
+    if settings is None:
+        recorded = trace.require_inputs().settings
+        changed = differences(recorded, Settings())
+        return "settings: as recorded" + (f" (today's differ: {', '.join(differences(Settings(), recorded))})"
+                                          if changed else ", which are today's defaults")
+    changed = differences(settings, Settings())
+    line = "settings: today's engine defaults" + (f" with {', '.join(changed)}" if changed else "")
+    if trace.settings_problem is not None:
+        return line + "; the recording's cannot be read (an older engine's)"
+    recorded = trace.inputs.settings
+    from_recorded = differences(settings, recorded)
+    return line + (f"; the recording had {', '.join(differences(recorded, settings))}" if from_recorded else "")
+
+
+def learned_controller(name: str, trace: Trace):
+    """The controller settings a learned policy named ``name`` carries and decides with,
+    or None (not a learned policy, or one trained for other models: it falls back to
+    ``rakv`` under the replay's settings, and says so)."""
+    path = policy_path(name, trace.meta.models.get("pair"))
+    if path is None:
+        return None
+    policy_file = load_policy(path)
+    return policy_file.controller if policy_file.trained_for(trace.target_namespace, trace.draft_namespace) else None
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.budget_mib is not None and args.budget_mib <= 0:
-        raise ValueError(f"--budget-mib must be positive, got {args.budget_mib}")
     trace = load_trace(args.trace)
-    timing = load_timing(args.timing or args.trace, trace)
-    names = policy_names(args.policy, trace, timing.decision_inputs(trace))
+    timing = load_timing(args.timing, trace)
+    settings = replay_settings(args, trace)
+    names = policy_names(args.policy, trace, timing.decision_inputs(trace, settings))
     arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
-    budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
-    results = replay(trace, timing, names, arrivals, budget, args.strict)
+    results = replay(trace, timing, names, arrivals, settings, args.strict)
     summaries = [summary for summary, _ in results.values()]
+    used = settings if settings is not None else trace.inputs.settings
+    own = {name: controller for name in names if (controller := learned_controller(name, trace)) is not None}
     if args.json:
         for summary in summaries:
-            print(json.dumps(asdict(summary)))
+            ran = replace(used, controller=own[summary.policy]) if summary.policy in own else used
+            print(json.dumps({**asdict(summary), "settings": settings_to_json(ran)}))
     else:
-        print(markdown(summaries, f"{args.trace.name}: {len(arrivals)} requests, timing from {timing.source}"))
+        lines = [f"{args.trace.name}: {len(arrivals)} requests, timing from {timing.source}",
+                 settings_line(settings, trace)]
+        lines += [f"{name}: its own controller settings" + "".join(
+            f", {d}" for d in differences(Settings(controller=controller), Settings(controller=used.controller)))
+                  for name, controller in own.items()]
+        print(markdown(summaries, "\n".join(lines)))
     if args.plot is not None:
         from simulator.plots import write_plots
         for path in write_plots(args.plot, results, timing, trace):

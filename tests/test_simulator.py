@@ -67,7 +67,7 @@ def test_json_fields_and_the_same_seed_gives_the_same_numbers(trace, capsys):
 def test_tokens_out_equal_the_recorded_tokens(trace):
     loaded = load_trace(trace)
     timing = load_timing(trace, loaded)
-    session = Session.for_policy("rakv", timing.decision_inputs(loaded), loaded.target_namespace,
+    session = Session.for_policy("rakv", timing.decision_inputs(loaded, None), loaded.target_namespace,
                                  loaded.draft_namespace)
     for arrival in schedule(loaded):
         request = arrival.request
@@ -175,16 +175,56 @@ def test_command_line_imports_no_torch(trace):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_rounds_are_clipped_to_the_run_lengths_a_trace_holds(trace):
-    """A trace whose requests hold run lengths to 8 (recorded before rounds of 16) replays
-    with the planner's rounds clipped to 8, and says so."""
-    from simulator.timing import clip_rounds
-    trace = load_trace(trace)
-    inputs = trace.require_inputs()
-    assert clip_rounds(inputs, trace) is inputs  # recordings hold 32
-    longer = replace(inputs, controller=replace(inputs.controller, rounds=replace(
-        inputs.controller.rounds, max_k=16, shadow_length=16)))
-    short = replace(trace, requests=tuple(replace(r, max_k=8) for r in trace.requests))
-    with pytest.warns(UserWarning, match="clipped from 16 to 8"):
-        clipped = clip_rounds(longer, short)
-    assert (clipped.controller.rounds.max_k, clipped.controller.rounds.shadow_length) == (8, 8)
+def test_a_trace_holding_shorter_run_lengths_is_refused_naming_the_fix(trace, tmp_path):
+    """Facts a setting needs and a trace lacks are never filled in: rounds of 16 need run
+    lengths to 16; the error names the re-record command and the setting that fits."""
+    loaded = load_trace(trace)
+    short = replace(loaded, requests=tuple(replace(r, max_k=8) for r in loaded.requests))
+    short = replace(short, by_id={r.request_id: r for r in short.requests})
+    timing = load_timing(trace, loaded)
+    from rakv.settings import Settings, override
+    from simulator.replay import replay
+    from simulator.session import SessionError
+    with pytest.raises(SessionError, match=r"record_traces\.sh.*--set planner\.max_k=8"):
+        replay(short, timing, ["rakv"], schedule(short))
+    assert replay(short, timing, ["rakv"], schedule(short), override(Settings(), "planner.max_k=8"))
+
+
+def test_replay_runs_todays_settings_unless_as_recorded_and_says_which(trace, capsys, tmp_path):
+    assert replay_main(["--trace", str(trace), "--policy", "rakv"]) == 0
+    assert "settings: today's engine defaults" in capsys.readouterr().out
+    assert replay_main(["--trace", str(trace), "--policy", "rakv", "--as-recorded"]) == 0
+    assert "settings: as recorded" in capsys.readouterr().out
+    file = tmp_path / "settings.json"
+    file.write_text(json.dumps({"planner": {"min_gain": 0.5}}))
+    rows = run_json(capsys, "--trace", str(trace), "--policy", "rakv", "--settings", str(file),
+                    "--set", "store.mode=off", "--json")
+    assert rows[0]["settings"]["controller"]["rounds"]["min_gain"] == 0.5
+    assert rows[0]["settings"]["engine"]["store"]["mode"] == "off" and rows[0]["hit_rate"] == 0
+    for argv, message in ((["--set", "planner.nope=1"], "no such setting"),
+                          (["--settings", str(tmp_path / "absent.json")], "absent.json"),
+                          (["--set", "store.budget_bytes=0"], "budget must be positive")):
+        assert replay_main(["--trace", str(trace), *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_older_engines_trace_replays_todays_settings_with_a_warning_and_refuses_as_recorded(trace, tmp_path,
+                                                                                            capsys):
+    import pyarrow.parquet as pq
+    old = tmp_path / "old"
+    old.mkdir()
+    for table in ("requests", "ops", "runs", "decisions"):
+        data = pq.read_table(trace / f"{table}.parquet")
+        meta = dict(data.schema.metadata)
+        config = json.loads(meta[b"rakv.config"])
+        del config["decision_inputs"]["controller"]["probe_margin"]
+        meta[b"rakv.config"] = json.dumps(config).encode()
+        pq.write_table(data.replace_schema_metadata(meta), old / f"{table}.parquet")
+    with pytest.warns(UserWarning, match="older engine.*probe_margin.*record_traces.sh old"):
+        assert replay_main(["--trace", str(old), "--policy", "rakv"]) == 0
+    capsys.readouterr()
+    with pytest.warns(UserWarning):
+        assert replay_main(["--trace", str(old), "--policy", "rakv", "--as-recorded"]) == 2
+    err = capsys.readouterr().err
+    assert "record_traces.sh old" in err and len(err.strip().splitlines()) == 1
