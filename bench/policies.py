@@ -224,7 +224,7 @@ def policy_section(pair, workload, policies, max_new_tokens, allow_hf_assisted: 
     """``bench_policies`` on the pair's calibrated timings; without a draft model, only the
     policies that need none, and no HF assisted generation."""
     from rakv.calibrate import load_or_calibrate
-    from rakv.controller import fixed_action
+    from rakv.choices import fixed_action
     if pair.draft is None:  # keep what needs no draft model
         policies = [p for p in policies if fixed_action(p).k == 0 or getattr(fixed_action(p), "drafter", "") == "ngram"]
     timings = load_or_calibrate(pair)
@@ -235,7 +235,7 @@ def policy_section(pair, workload, policies, max_new_tokens, allow_hf_assisted: 
 def fixed_policy_list(p: argparse.ArgumentParser, option: str, value: str) -> list[str]:
     """The fixed policies of a comma-separated ``value`` ('all': every one); a name that is
     not a fixed policy is a usage error of ``option``."""
-    from rakv.controller import fixed_action, fixed_policy_names
+    from rakv.choices import fixed_action, fixed_policy_names
     names = list(fixed_policy_names()) if value == "all" else [n.strip() for n in value.split(",") if n.strip()]
     bad = [n for n in names if fixed_action(n) is None]
     if bad:

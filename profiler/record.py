@@ -35,7 +35,8 @@ from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLength
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import run_cli
-from rakv.controller import ControllerConfig, fixed_policy_names
+from rakv.choices import fixed_policy_names
+from rakv.controller import ControllerConfig
 from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, measure_pair
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json

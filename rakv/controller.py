@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-# fixed_policy_names: profiler.record and bench.policies import it from here (its home is rakv.choices)
-from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, fixed_action, fixed_policy_names,
+from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, fixed_action,
                           priced_actions, readied_drafters, usable_drafters)
 from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context
 from rakv.drafters import DRAFT_MODEL
