@@ -44,7 +44,7 @@ from pathlib import Path
 from bench.decide import DecideSection, bench_decide, format_decide
 from bench.decode import DecodeSection, bench_decode, decode_json, format_decode
 from bench.harness import Checks, configure_torch, warm_up
-from bench.partial import PartialSection, bench_partial_hits, format_partial
+from bench.partial import bench_partial_hits, format_partial
 from bench.policies import (PolicySection, chat_workload, code_workload, fixed_policy_list, format_policies,
                             policies_json, policy_section)
 from bench.repeat import RepeatSection, bench_exact_repeat, format_repeat, repeat_json

@@ -16,14 +16,10 @@ caller keeps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from rakv.cost_model import Action, RequestFeatures
+from rakv.cost_model import Action
 from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.round_planner import AdaptiveRounds, FixedRounds
 
-if TYPE_CHECKING:  # the controller imports this module
-    from rakv.controller import CostModelPolicy
 
 R_CHOICES = (0, 1)  # 0: compute the prompt, 1: reuse stored KV
 K_CHOICES = (0, 1, 2, 4, 6, 8)  # draft tokens per round of a fixed policy; 0: plain steps
@@ -116,13 +112,3 @@ def all_choices(draft_model: bool, adaptive: bool = True) -> tuple[Choice, ...]:
             if draft_model:
                 choices.append(Choice(r, True, DRAFT_MODEL, 0))
     return tuple(choices)
-
-
-def make_planner(choice: Choice, features: RequestFeatures,
-                 policy: CostModelPolicy | None) -> FixedRounds | AdaptiveRounds:
-    """A fresh planner for the choice; an adaptive one starts from ``policy``'s estimates."""
-    if not choice.adaptive:
-        return FixedRounds(choice.drafter, choice.k)
-    if policy is None:
-        raise ValueError("an adaptive choice needs the adaptive policy's timings and estimates")
-    return policy.planner(features, choice.action)

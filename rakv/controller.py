@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, fixed_action,
+from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, fixed_action,
                           priced_actions, readied_drafters, usable_drafters)
 from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context
 from rakv.drafters import DRAFT_MODEL
@@ -197,3 +197,13 @@ def make_policy(name: str, timings: PairTimings | None = None,
             raise ValueError("policy 'rakv' needs timing statistics (calibrate the pair first)")
         return CostModelPolicy(timings, config)
     raise ValueError(f"unknown policy {name!r}; choose one of: {FIXED_POLICY_HELP}")
+
+
+def make_planner(choice: Choice, features: RequestFeatures,
+                 policy: CostModelPolicy | None) -> FixedRounds | AdaptiveRounds:
+    """A fresh planner for the choice; an adaptive one starts from ``policy``'s estimates."""
+    if not choice.adaptive:
+        return FixedRounds(choice.drafter, choice.k)
+    if policy is None:
+        raise ValueError("an adaptive choice needs the adaptive policy's timings and estimates")
+    return policy.planner(features, choice.action)

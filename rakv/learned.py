@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rakv.choices import Choice, all_choices, make_planner
-from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome
+from rakv.choices import Choice, all_choices
+from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome, make_planner
 from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes
 from rakv.learned_features import ANALYTIC_COLUMN, FEATURES, feature_rows
 from rakv.settings import settings_from_json

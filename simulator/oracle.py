@@ -11,8 +11,8 @@ estimates of a ``rakv`` policy that observes what the oracle ran, as ``rakv`` wo
 from __future__ import annotations
 
 from rakv.acceptance import ReplayedRound
-from rakv.choices import Choice, all_choices, make_planner
-from rakv.controller import CostModelPolicy, RequestOutcome
+from rakv.choices import Choice, all_choices
+from rakv.controller import CostModelPolicy, RequestOutcome, make_planner
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL
 from rakv.settings import DecisionInputs
