@@ -228,3 +228,24 @@ def test_an_older_engines_trace_replays_todays_settings_with_a_warning_and_refus
         assert replay_main(["--trace", str(old), "--policy", "rakv", "--as-recorded"]) == 2
     err = capsys.readouterr().err
     assert "record_traces.sh old" in err and len(err.strip().splitlines()) == 1
+
+
+def test_another_ngram_setting_recomputes_prompt_lookups_run_lengths(trace):
+    """Prompt lookup's run lengths are facts of the tokens under an n-gram config: a replay
+    under another config recomputes them, and under the recorded one keeps them."""
+    from rakv.drafters import NGRAM, NgramConfig, ngram_run_lengths
+    from simulator.trace import under_ngram
+    loaded = load_trace(trace)
+    assert under_ngram(loaded, loaded.inputs.engine.ngram) is loaded
+    other = NgramConfig(max_ngram=1, min_ngram=1)
+    moved = under_ngram(loaded, other)
+    for request in moved.requests:
+        want = ngram_run_lengths(request.prompt_ids, request.output_ids, request.max_k, other)
+        assert (moved.by_id[request.request_id].lengths[NGRAM].runs, request.lengths[NGRAM].signals) == (
+            want.runs, want.signals)
+
+
+def test_validate_out_of_sample_fits_the_overhead_on_other_traces_only(trace):
+    inside, outside = validate(trace), validate(trace, fit_on=(trace,))
+    assert outside.split == f"on {trace.name} only" and inside.split == "leave one request out"
+    assert outside.settings == "as recorded" and outside.policies.keys() == inside.policies.keys()
