@@ -2,8 +2,9 @@
 
 Per request: look the prompt up in the store (target and draft separately), let the
 policy choose (r, drafter, k), prefill what is not reused, then decode round by round as
-the policy's planner says (k = 0: one greedy step; k > 0: a speculation round), and store
-the sequence's KV for later requests. Every action gives the target's plain greedy
+the policy's planner says (k = 0: one greedy step; k > 0: a speculation round), walking the
+output as the replay and the simulator's pricing do (``rakv.rounds.walk``), and store the
+sequence's KV for later requests. Every action gives the target's plain greedy
 output; only the time differs.
 """
 from __future__ import annotations
@@ -13,17 +14,17 @@ from dataclasses import asdict, dataclass
 
 from transformers import DynamicCache
 
-from rakv.acceptance import round_draft_length
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
-from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, matching_prefix_length
+from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, RunLengths, matching_prefix_length
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
 from rakv.round_planner import MAX_DRAFT_LENGTH
+from rakv.rounds import PlannedRounds, draft_cache_positions, walk
 from rakv.settings import EngineConfig
-from rakv.store_model import PrefixMatch, draft_cache_positions
+from rakv.store_model import PrefixMatch
 
 
 class RequestError(ValueError):
@@ -102,33 +103,11 @@ class Engine:
         ttft_s = time.perf_counter() - start
 
         drafters = self._drafters(planner.drafters, draft_match, draft_reused)
-        rounds: list[RoundRecord] = []
-        eos = self.pair.eos_token_ids
-        while seq[-1] not in eos and len(seq) - n < max_new:
-            signals = {d: drafters[d].signal(seq) for d in planner.drafters}
-            shadow_proposals = {d: drafters[d].propose(seq, planner.shadow_length) for d in planner.shadowed}
-            name, k = planner.plan(signals)
-            k = round_draft_length(k, len(seq) - n, max_new)
-            before = len(seq)
-            if k == 0:
-                logits = forward(self.pair.target, target_cache, seq[-1:])[0]
-                seq += greedy(logits[None])
-            else:
-                stop_below = planner.confidence if name == DRAFT_MODEL else 0.0
-                rnd = speculative_round(self.pair.target, drafters[name], target_cache, seq, len(seq) - n, k, eos,
-                                        stop_below)
-                rounds.append(RoundRecord(rnd.start, name, rnd.k, rnd.num_proposed, rnd.accepted))
-                # the probabilities of output positions only: none after an accepted EOS (as a replay has them)
-                planner.observe(name, signals[name], rnd.num_proposed, rnd.accepted, rnd.draft_probs[:len(rnd.new_ids)])
-                seq += rnd.new_ids
-                logits = rnd.logits
-            for shadow, proposal in shadow_proposals.items():
-                if k == 0 or shadow != name:  # as replay_request reports it
-                    verified = min(len(proposal), len(seq) - before)
-                    planner.observe(shadow, signals[shadow], verified, matching_prefix_length(proposal, seq[before:]))
+        loop = _ModelRounds(planner, max_new, self.pair, target_cache, drafters, seq, n, logits)
+        rounds = walk(loop, n, draft_reused if draft_ready else 0)
 
         drafter = drafters.get(DRAFT_MODEL)
-        self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: logits},
+        self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: loop.logits},
                     drafter.cache if drafter is not None else None, draft_reused if draft_ready else None, rounds)
         result = RequestResult(
             request_id=self.num_requests, policy=self.policy.name, action=action,
@@ -190,3 +169,54 @@ class Engine:
         if kept_draft:
             crop_to(draft_cache, kept_draft)
             self.store.insert(self.pair.draft_fingerprint, seq[:kept_draft], draft_cache, {})
+
+
+class _ModelRounds(PlannedRounds):
+    """A planner's rounds on the models (``rakv.rounds.PlannedRounds``): plain target steps
+    and speculation rounds over the request's caches, appending to ``seq``; ``logits`` are
+    the last computed, those of its last token. The drafters' ``lengths`` are filled in as
+    the output grows: at each position before its iteration, the signals and shadowed
+    proposals (prompt lookup's match, computed once, serves both), and after it, how much
+    of each shadowed proposal the appended tokens confirm."""
+
+    def __init__(self, planner, max_new_tokens: int, pair: ModelPair, target_cache: DynamicCache, drafters: dict,
+                 seq: list[int], num_prompt: int, logits):
+        self.eos = pair.eos_token_ids
+        self.lengths = {d: RunLengths(*([0] * max_new_tokens for _ in range(3))) for d in planner.drafters}
+        super().__init__(planner, self.lengths, max_new_tokens, 1 if seq[-1] in self.eos else max_new_tokens)
+        self.target, self.target_cache, self.drafters = pair.target, target_cache, drafters
+        self.seq, self.num_prompt, self.logits = seq, num_prompt, logits
+        self._proposals: dict[str, list[int]] = {}  # the shadowed drafters', at the current position
+        self._look(1)
+
+    def step(self, t: int) -> None:
+        self.logits = forward(self.target, self.target_cache, self.seq[-1:])[0]
+        self._append(t, greedy(self.logits[None]))
+
+    def propose(self, t: int, drafter: str, k: int, stop_below: float, draft_seen: int) -> tuple[RoundRecord, tuple]:
+        if drafter == DRAFT_MODEL:  # the walk's account of the draft cache, which the simulator prices, is exact
+            assert self.drafters[DRAFT_MODEL].cache.get_seq_length() == draft_seen
+        rnd = speculative_round(self.target, self.drafters[drafter], self.target_cache, self.seq, t, k, self.eos,
+                                stop_below)
+        self.logits = rnd.logits
+        self._append(t, rnd.new_ids)
+        return RoundRecord(t, drafter, k, rnd.num_proposed, rnd.accepted), rnd.draft_probs
+
+    def _append(self, t: int, token_ids) -> None:
+        self.seq += token_ids
+        if self.seq[-1] in self.eos:  # greedy output ends at EOS, which only the appended tokens' last can be
+            self.end = len(self.seq) - self.num_prompt
+        for d, proposal in self._proposals.items():
+            self.lengths[d].runs[t] = matching_prefix_length(proposal, token_ids)
+        self._look(t + len(token_ids))
+
+    def _look(self, t: int) -> None:
+        """The drafters' signals and shadowed proposals at t, where the walk goes on to it."""
+        if t >= self.end:
+            return
+        seq, drafters = self.seq, self.drafters
+        for d in self.planner.drafters:
+            self.lengths[d].signals[t] = drafters[d].signal(seq)
+        for d in self.planner.shadowed:
+            self._proposals[d] = drafters[d].propose(seq, self._shadow_length)
+            self.lengths[d].proposed[t] = len(self._proposals[d])

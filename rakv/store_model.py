@@ -15,7 +15,7 @@ Rules, per model namespace (one per model fingerprint):
   never computed), so a conversation's next turn hits it; ``prompt`` keeps the prompt
   only (the paper's behaviour); ``off`` keeps nothing. The target keeps logits after the
   prompt and after the kept sequence; the draft keeps the positions its cache holds
-  (``draft_cache_positions``), at most the target's.
+  (``rakv.rounds.draft_cache_positions``), at most the target's.
 - **Inserts.** A sequence already held inside a stored one with every logits row it
   brings is only touched; one held inside a stored one that lacks some of those rows
   replaces it with the stored tokens and KV plus the merged rows (``merge``); a new
@@ -31,8 +31,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rakv.drafters import DRAFT_MODEL
 from rakv.prefix_index import Entry, PrefixIndex, as_token_array, prefix_digest
+from rakv.rounds import draft_cache_positions
 
 DEFAULT_BUDGET_BYTES = 512 * 2**20
 STORE_MODES = ("full", "prompt", "off")
@@ -78,23 +78,6 @@ def reused_positions(num_prompt_tokens: int, hit_tokens: int, has_logits: bool) 
         return num_prompt_tokens
     reused = min(hit_tokens, num_prompt_tokens - 1)
     return reused if reused >= 1 else 0
-
-
-def draft_cache_positions(num_prompt: int, draft_reused: int, rounds: Sequence, num_output: int) -> int:
-    """Positions the draft model's cache holds when a request ends.
-
-    It starts with the reused positions; only its own rounds move it. A round at output
-    position t (sequence length n + t) catches the draft up and proposes p tokens, so the
-    cache holds n + t + p - 1; the rollback keeps n + t + a - 1 where a is the number of
-    tokens the round appended (accepted + 1, or accepted when it ended on EOS, i.e. at the
-    output's end). ``rounds`` need ``start``, ``drafter``, ``num_proposed``, ``accepted``.
-    """
-    positions = draft_reused
-    for rnd in rounds:
-        if rnd.drafter == DRAFT_MODEL:
-            appended = min(rnd.accepted + 1, num_output - rnd.start)
-            positions = num_prompt + rnd.start + min(rnd.num_proposed, appended) - 1
-    return positions
 
 
 @dataclass

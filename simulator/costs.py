@@ -27,6 +27,7 @@ from typing import Sequence
 from rakv.cost_model import interpolate
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.op_timing import OpRow
+from rakv.rounds import RecordedRounds, walk
 from rakv.settings import DecisionInputs
 from simulator.session import ReplayedRequest
 
@@ -197,34 +198,30 @@ def request_cost(replayed: ReplayedRequest, num_prompt: int, costs: OpCosts, inp
 
 def _decode_s(costs: OpCosts, n: int, num_output: int, drafters: tuple[str, ...], draft_reused: int,
               rounds: tuple) -> tuple[float, int]:
-    """(seconds, iterations) of the decode loop after the first token."""
+    """(seconds, iterations) of the decode loop after the first token, walked as the engine
+    runs it (``rakv.rounds.walk``)."""
     target, draft = costs.target, costs.draft
     ngram_ready = NGRAM in drafters
-    by_start = {r.start: r for r in rounds}
-    draft_positions = draft_reused
-    total, t, iterations = 0.0, 1, 0
-    while t < num_output:
+    total, iterations = 0.0, 0
+
+    def price(t: int, rnd, draft_seen: int) -> None:
+        nonlocal total, iterations
         length = n + t  # the sequence so far; the target's cache holds all of it but the last token
         iterations += 1
         if ngram_ready:
             total += costs.ngram(length)
-        rnd = by_start.get(t)
         if rnd is None:
             total += target.decode(length - 1)
-            t += 1
-            continue
-        if rnd.drafter == DRAFT_MODEL:
-            catch_up = length - draft_positions
-            total += draft.forward_s(catch_up, draft_positions)
+            return
+        if rnd.drafter == DRAFT_MODEL:  # it catches up on the tokens it has not seen, then drafts
+            total += draft.forward_s(length - draft_seen, draft_seen)
             total += sum(draft.decode(length + i) for i in range(rnd.num_proposed - 1))
-        appended = min(rnd.accepted + 1, num_output - t)
         if rnd.num_proposed:
             total += target.verify(rnd.num_proposed + 1, length - 1)
         else:  # an empty prompt-lookup proposal: one plain step
             total += target.decode(length - 1)
-        if rnd.drafter == DRAFT_MODEL:
-            draft_positions = length + min(rnd.num_proposed, appended) - 1
-        t += appended
+
+    walk(RecordedRounds(rounds, num_output), n, draft_reused, price)
     return total, iterations
 
 
