@@ -38,6 +38,7 @@ SETTINGS = "as recorded"
 @dataclass(frozen=True)
 class PolicyFidelity:
     num_runs: int
+    num_not_greedy: int  # runs whose output differed from the greedy output (none may)
     e2e_mape: float  # fraction: 0.05 is 5 %
     ttft_mape: float
     round_mismatches: int  # runs whose replay differs from the recording in any way (run_mismatch)
@@ -114,7 +115,7 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
         mine = [r for r in runs if r.policy == policy]
         e2e = [abs(predicted[policy, r.request_id][0] - r.e2e_s) / r.e2e_s for r in mine]
         ttft = [abs(predicted[policy, r.request_id][1] - r.ttft_s) / r.ttft_s for r in mine]
-        policies[policy] = PolicyFidelity(len(mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]),
+        policies[policy] = PolicyFidelity(len(mine), sum(not r.identical_to_ar for r in mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]),
                                           sum(r.num_rounds for r in mine),
                                           sum(rounds_off_min_k_mt(r, trace.by_id[r.request_id]) for r in mine))
     correlations = []
@@ -140,10 +141,11 @@ def _samples_of(path: str | Path) -> list:
 def markdown(fidelity: Fidelity) -> str:
     lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, settings {fidelity.settings}, overhead fitted "
              f"{fidelity.split}; action-ranking Spearman {fidelity.spearman:.3f}", "",
-             "| policy | runs | e2e MAPE | TTFT MAPE | replay mismatches | rounds | rounds off min(k, m_t) |",
-             "|---|---|---|---|---|---|---|"]
+             "| policy | runs | runs not greedy | e2e MAPE | TTFT MAPE | replay mismatches | rounds "
+             "| rounds off min(k, m_t) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, p in fidelity.policies.items():
-        lines.append(f"| {name} | {p.num_runs} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | "
+        lines.append(f"| {name} | {p.num_runs} | {p.num_not_greedy} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | "
                      f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
     if fidelity.first_mismatch:
         lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
@@ -153,13 +155,14 @@ def markdown(fidelity: Fidelity) -> str:
 def run(args: argparse.Namespace) -> int:
     fidelity = validate(args.trace, tuple(args.fit_on))
     print(json.dumps(asdict(fidelity)) if args.json else markdown(fidelity))
-    return 1 if any(p.round_mismatches or p.rounds_off_min_k_mt for p in fidelity.policies.values()) else 0
+    return 1 if any(p.round_mismatches or p.rounds_off_min_k_mt or p.num_not_greedy
+                    for p in fidelity.policies.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m simulator.validate",
-                                description="Compare simulated with measured runs of a trace, per policy. "
-                                            "Exit status 1 if any replayed round differs from the recorded one.")
+                                description="Compare simulated with measured runs of a trace, per policy. Exit status 1 "
+                                            "if any run differs from greedy or any replayed round from the recorded one.")
     p.add_argument("--trace", type=Path, required=True, help="trace directory with a runs table")
     p.add_argument("--fit-on", nargs="+", type=Path, default=(), metavar="TRACE",
                    help="fit the overhead on these traces' runs only (recorded on the same machine), not on the "
