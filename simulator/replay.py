@@ -250,20 +250,20 @@ def replay_settings(args: argparse.Namespace, trace: Trace) -> Settings | None:
     return settings
 
 
-def settings_line(settings: Settings | None, trace: Trace) -> str:
-    """Which settings a replay ran: today's or the recorded ones, and what differs."""
-    if settings is None:
-        recorded = trace.require_inputs().settings
-        changed = differences(recorded, Settings())
-        return "settings: as recorded" + (f" (today's differ: {', '.join(differences(Settings(), recorded))})"
-                                          if changed else ", which are today's defaults")
-    changed = differences(settings, Settings())
-    line = "settings: today's engine defaults" + (f" with {', '.join(changed)}" if changed else "")
+def settings_line(settings: Settings | None, trace: Trace, as_recorded: bool) -> str:
+    """Which settings a replay ran: today's or the recorded ones, what the user changed,
+    and how the recording's differ from today's."""
     if trace.settings_problem is not None:
-        return line + "; the recording's cannot be read (an older engine's)"
+        changed = differences(settings, Settings())
+        return ("settings: today's engine defaults" + (f" with {', '.join(changed)}" if changed else "")
+                + "; the recording's cannot be read (an older engine's)")
     recorded = trace.inputs.settings
-    from_recorded = differences(settings, recorded)
-    return line + (f"; the recording had {', '.join(differences(recorded, settings))}" if from_recorded else "")
+    base = recorded if as_recorded else Settings()
+    changed = differences(settings or base, base)
+    line = "settings: as recorded" if as_recorded else "settings: today's engine defaults"
+    line += f" with {', '.join(changed)}" if changed else ""
+    apart = differences(Settings(), recorded)
+    return line + (f"; today's differ from the recording's in {', '.join(apart)}" if apart else "")
 
 
 def learned_controller(name: str, trace: Trace):
@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({**asdict(summary), "settings": settings_to_json(ran)}))
     else:
         lines = [f"{args.trace.name}: {len(arrivals)} requests, timing from {timing.source}",
-                 settings_line(settings, trace)]
+                 settings_line(settings, trace, args.as_recorded)]
         lines += [f"{name}: its own controller settings" + "".join(
             f", {d}" for d in differences(Settings(controller=controller), Settings(controller=used.controller)))
                   for name, controller in own.items()]
