@@ -29,7 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from profiler.hardware import hardware_fingerprint
-from profiler.run_noise import EngineSnapshot, NoiseGuard, median_attempt, priced_s, slowed
+from profiler.run_noise import EngineSnapshot, NoiseGuard, SlowRuns, median_attempt, priced_s
 from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
                              TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
@@ -224,6 +224,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
     from rakv.engine import Engine
 
     guard = NoiseGuard(args.runs_noise_tolerance, args.runs_max_attempts)
+    slowed = SlowRuns(guard.tolerance)
     sample = sample_requests(requests, args.runs_sample)
     done_runs = writer.existing_keys("runs")
     done_decisions = writer.existing_keys("decisions")
@@ -241,7 +242,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
             results[name] = engine.generate(prompt, max_new)
             bar.update(1)
         ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
-        for name in slowed(ratios, guard.tolerance):
+        for name in slowed(ratios) if guard.max_attempts > 1 else ():
             attempts = [results[name]]
             for _ in range(guard.max_attempts - 1):
                 snapshots[name].restore(engines[name])

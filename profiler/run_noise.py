@@ -4,10 +4,12 @@ machine slowed is timed again, from the same engine state, and the median attemp
 Which runs were slowed? The runs of one request under every policy (its *siblings*, run
 in lockstep) did different work, so their times are compared after dividing each by the
 calibrated price of the work it did (``priced_s``: its prefill, plain steps and rounds).
-On a quiet machine that ratio is nearly the same for every sibling; a run whose ratio is
-more than ``tolerance`` above the siblings' median is an outlier (noise only ever adds
-time). It is run again from a snapshot of its engine taken before it, up to
-``max_attempts`` times in all, and the attempt with the median end-to-end time is kept.
+The calibration prices some policies' work a little high or low, the same way on every
+request, so each policy's ratio is compared with the siblings' median times what that
+policy's ratio usually is (its median over the earlier requests, ``SlowRuns``). A run
+more than ``tolerance`` above that is an outlier (noise only ever adds time). It is run
+again from a snapshot of its engine taken before it, up to ``max_attempts`` times in
+all, and the attempt with the median end-to-end time is kept.
 
 Invariant: an engine's decisions are functions of the tokens and its settings, never of
 time, so every attempt makes the same decisions, rounds, output and store contents, and
@@ -47,13 +49,28 @@ def priced_s(result, timings: PairTimings) -> float:
     return total
 
 
-def slowed(ratios: dict[str, float], tolerance: float) -> list[str]:
-    """The names whose seconds per priced second exceed the siblings' median by more than
-    ``tolerance`` (none with fewer than 3 siblings: no median to trust)."""
-    if len(ratios) < 3:
-        return []
-    middle = median(ratios.values())
-    return [name for name, ratio in ratios.items() if ratio > middle * (1 + tolerance)]
+class SlowRuns:
+    """Picks the slowed runs of each request, learning from earlier requests how each
+    policy's time usually compares with its siblings' (a calibration that misprices one
+    policy's work must not make every one of its runs look slowed)."""
+
+    def __init__(self, tolerance: float):
+        self.tolerance = tolerance
+        self._usual: dict[str, list[float]] = {}  # policy -> its unslowed runs' ratio over their siblings' median
+
+    def __call__(self, ratios: dict[str, float]) -> list[str]:
+        """The names whose seconds per priced second exceed the siblings' median times
+        their usual share by more than ``tolerance`` (none with fewer than 3 siblings:
+        no median to trust)."""
+        if len(ratios) < 3:
+            return []
+        middle = median(ratios.values())
+        slow = [name for name, ratio in ratios.items()
+                if ratio > middle * median(self._usual.get(name) or [1.0]) * (1 + self.tolerance)]
+        for name, ratio in ratios.items():
+            if name not in slow:
+                self._usual.setdefault(name, []).append(ratio / middle)
+        return slow
 
 
 class EngineSnapshot:
