@@ -84,22 +84,19 @@ def override(settings: Settings, assignment: str) -> Settings:
     except json.JSONDecodeError:
         value = text
     try:
-        return _set(settings, path, value, key)
+        return _set(settings, path, value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"setting {key.strip()}: {exc}") from None
 
 
-def _set(obj, path: tuple[str, ...], value, key: str):
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    if len(path) < 2 or path[0] not in fields:
-        known = ", ".join(sorted(SECTIONS)) if isinstance(obj, Settings) else ", ".join(fields)
+def _set(obj, path: tuple[str, ...], value):
+    """``obj`` with the leaf at ``path`` (two names or more) set to ``value``."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    if len(path) < 2 or path[0] not in names or not dataclasses.is_dataclass(getattr(obj, path[0])):
+        known = ", ".join(sorted(SECTIONS)) if isinstance(obj, Settings) else ", ".join(names)
         raise ValueError(f"no such setting (choose among {known})")
-    name = path[0]
-    current = getattr(obj, name)
-    if dataclasses.is_dataclass(current) and len(path) > 1:
-        new = _set(current, path[1:], value, key) if len(path) > 2 else _leaf(current, path[1], value)
-        return replace(obj, **{name: new})
-    raise ValueError("no such setting")
+    inner = getattr(obj, path[0])
+    return replace(obj, **{path[0]: _set(inner, path[1:], value) if len(path) > 2 else _leaf(inner, path[1], value)})
 
 
 def _leaf(obj, name: str, value):
