@@ -235,14 +235,15 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
     for row in sample:
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
         prompt = list(row.prompt_ids)
+        guarded = guard.max_attempts > 1 and any((row.request_id, name) not in done_runs for name in engines)
         snapshots, results, decisions = {}, {}, {}
         for name, engine in engines.items():
-            snapshots[name] = EngineSnapshot(engine) if guard.max_attempts > 1 else None
+            snapshots[name] = EngineSnapshot(engine) if guarded else None
             decisions[name] = decision_before(engine, prompt, max_new)
             results[name] = engine.generate(prompt, max_new)
             bar.update(1)
         ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
-        for name in slowed(ratios) if guard.max_attempts > 1 else ():
+        for name in slowed(ratios) if guarded else ():  # a resumed recording's rows are written
             attempts = [results[name]]
             for _ in range(guard.max_attempts - 1):
                 snapshots[name].restore(engines[name])
