@@ -48,7 +48,7 @@ def test_every_shipped_run_replays_exactly(path):
             assert run_mismatch(run, replayed) is None
             assert run.identical_to_ar and replayed.num_output_tokens == run.num_output_tokens
             checked += 1
-    assert checked == len(loaded.runs) >= 10 * 23
+    assert checked == len(loaded.runs) >= 3 * 23  # every policy on 3 prompts at least
 
 
 def test_json_fields_and_the_same_seed_gives_the_same_numbers(trace, capsys):
