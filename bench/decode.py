@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from bench.harness import (Checks, bench_main, bench_parser, check_at_least_one, fresh_engine, hf_generate,
                            load_warm_pair, long_ids, ms, progress, report, spread, timed)
@@ -89,14 +89,6 @@ def format_decode(dec: DecodeSection) -> list[str]:
                      f"{p.identical}")
     lines.append(f"   median ratio {dec.median_ratio:.3f} (pooled {dec.pooled_ratio:.3f}; goal <= 1.05)")
     return lines
-
-
-def decode_json(dec: DecodeSection) -> dict:
-    """The section's fields, each point with both seconds per token."""
-    row = asdict(dec)
-    for p, point in zip(row["points"], dec.points):
-        p["engine_per_token_s"], p["hf_per_token_s"] = point.engine_per_token_s, point.hf_per_token_s
-    return row
 
 
 def run(args) -> int:

@@ -42,12 +42,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.decide import DecideSection, bench_decide, format_decide
-from bench.decode import DecodeSection, bench_decode, decode_json, format_decode
-from bench.harness import Checks, configure_torch, warm_up
+from bench.decode import DecodeSection, bench_decode, format_decode
+from bench.harness import Checks, configure_torch, warm_up, with_derived
 from bench.partial import bench_partial_hits, format_partial
 from bench.policies import (PolicySection, chat_workload, code_workload, fixed_policy_list, format_policies,
-                            policies_json, policy_section)
-from bench.repeat import RepeatSection, bench_exact_repeat, format_repeat, repeat_json
+                            policy_section)
+from bench.repeat import RepeatSection, bench_exact_repeat, format_repeat
 from rakv.cli import run_cli
 from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
@@ -94,11 +94,11 @@ def format_report(pair_name: str, sections: dict, checks: Checks, wall_s: float,
 def to_json(section) -> dict:
     """A section's fields, with the figures its points derive (ratios, per-token seconds, tokens/s)."""
     if isinstance(section, RepeatSection):
-        return repeat_json(section)
+        return with_derived(section, "points", "ratio")
     if isinstance(section, DecodeSection):
-        return decode_json(section)
+        return with_derived(section, "points", "engine_per_token_s", "hf_per_token_s")
     if isinstance(section, PolicySection):
-        return policies_json(section)
+        return with_derived(section, "runs", "tokens_per_s")
     return asdict(section)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
 
@@ -165,3 +165,12 @@ def bench_main(run, args: argparse.Namespace) -> int:
     from rakv.cli import run_cli
     from rakv.models import PairError
     return run_cli(run, args, (PairError, OSError))
+
+
+def with_derived(section, items: str, *properties: str) -> dict:
+    """``asdict(section)``, each entry of its list ``items`` with the values of the
+    ``properties`` its element derives (``asdict`` leaves properties out)."""
+    row = asdict(section)
+    for entry, element in zip(row[items], getattr(section, items)):
+        entry.update({name: getattr(element, name) for name in properties})
+    return row

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from bench.harness import (Checks, bench_main, bench_parser, check_at_least_one, fresh_engine, hf_generate,
                            load_warm_pair, progress, report, timed)
@@ -258,14 +258,6 @@ def format_policies(pol: PolicySection) -> list[str]:
     hf = "" if pol.rakv_over_hf_assisted is None else f", rakv / HF assisted {pol.rakv_over_hf_assisted:.3f}"
     lines.append(f"   rakv / best fixed ({pol.best_fixed}) {pol.rakv_over_best_fixed:.3f}{hf}")
     return lines
-
-
-def policies_json(pol: PolicySection) -> dict:
-    """The section's fields, each run with its tokens/s."""
-    row = asdict(pol)
-    for p, run in zip(row["runs"], pol.runs):
-        p["tokens_per_s"] = run.tokens_per_s
-    return row
 
 
 # -- on its own ----------------------------------------------------------------------

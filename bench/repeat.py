@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from bench.harness import (Checks, bench_main, bench_parser, check_at_least_one, fresh_engine, load_warm_pair,
                            long_ids, ms, progress, report, spread)
@@ -61,14 +61,6 @@ def format_repeat(rep: RepeatSection) -> list[str]:
                      f"{p.ratio:6.4f}  {p.cold_hit_kind}/{p.repeat_hit_kind}")
     lines.append(f"   median ratio {rep.median_ratio:.4f}")
     return lines
-
-
-def repeat_json(rep: RepeatSection) -> dict:
-    """The section's fields, each point with its ratio."""
-    row = asdict(rep)
-    for p, point in zip(row["points"], rep.points):
-        p["ratio"] = point.ratio
-    return row
 
 
 def run(args) -> int:
