@@ -124,18 +124,12 @@ def _checked(hint, value):
     raise ValueError(f"expected {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")
 
 
-def overrides_from_json(data: dict, prefix: str = "") -> list[str]:
+def overrides_from_json(data: dict) -> list[str]:
     """A settings file (nested sections, e.g. ``{"planner": {"min_gain": 0.2}}``) as
     ``override`` assignments, in file order."""
     if not isinstance(data, dict):
         raise ValueError("a settings file holds a JSON object of sections")
-    out = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out += overrides_from_json(value, f"{prefix}{key}.")
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value)}")
-    return out
+    return [f"{key}={json.dumps(value)}" for key, value in _leaves(data).items()]
 
 
 def differences(settings: Settings, reference: Settings) -> list[str]:
@@ -152,6 +146,7 @@ def differences(settings: Settings, reference: Settings) -> list[str]:
 
 
 def _leaves(data: dict, prefix: str = "") -> dict:
+    """``{"a.b": value}`` for every leaf of a nested JSON object, in its order."""
     out = {}
     for key, value in data.items():
         if isinstance(value, dict):

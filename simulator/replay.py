@@ -32,10 +32,8 @@ import numpy as np
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
-from rakv.learned import load_policy
-from rakv.policies import LEARNED, check_policy, policy_path, resolve_policy, shipped_policy
-from rakv.settings import (SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json,
-                           settings_to_json)
+from rakv.policies import LEARNED, check_policy, resolve_policy, shipped_policy
+from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
 from simulator.oracle import Oracle
 from simulator.schedule import Arrival, ScheduleError, schedule
@@ -79,6 +77,7 @@ class PolicySummary:
     total_service_s: float
     regret_vs_oracle: float | None  # total service time over the oracle's, minus one
     action_histogram: dict[str, int]
+    settings: Settings  # what the policy decided with: the replay's, or a learned policy's own controller
 
 
 def serve(session: Session, arrival: Arrival, start_s: float, timing: Timing) -> Served:
@@ -115,7 +114,7 @@ def simulate(arrivals: list[Arrival], session: Session, timing: Timing, progress
     return served
 
 
-def summarize(policy: str, served: list[Served], oracle_service_s: float | None) -> PolicySummary:
+def summarize(policy: str, served: list[Served], oracle_service_s: float | None, settings: Settings) -> PolicySummary:
     e2e = np.array([s.e2e_s for s in served])
     span_s = max(s.arrival_s + s.e2e_s for s in served) - min(s.arrival_s for s in served)
     rounds = sum(s.num_rounds for s in served)
@@ -129,7 +128,7 @@ def summarize(policy: str, served: list[Served], oracle_service_s: float | None)
         mean_accepted_per_round=sum(s.num_accepted for s in served) / rounds if rounds else 0.0,
         total_service_s=total_s,
         regret_vs_oracle=None if oracle_service_s is None else total_s / oracle_service_s - 1.0,
-        action_histogram=dict(Counter(s.action for s in served).most_common()))
+        action_histogram=dict(Counter(s.action for s in served).most_common()), settings=settings)
 
 
 def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
@@ -157,7 +156,8 @@ def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing
 
 
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
-           settings: Settings | None = Settings(), strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
+           settings: Settings | None = Settings(),
+           strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
     """Every named policy over the same arrivals (the oracle's regret baseline included),
     deciding with ``settings`` (default: today's; None: the trace's recorded ones)."""
     inputs = timing.decision_inputs(trace, settings)
@@ -171,8 +171,10 @@ def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arriva
     results = {}
     oracle_s = None
     for name in order:
-        served = simulate(arrivals, make_session(name, trace, inputs, timing, strict), timing, progress)
-        summary = summarize(name, served, oracle_s)
+        session = make_session(name, trace, inputs, timing, strict)
+        served = simulate(arrivals, session, timing, progress)
+        ran = replace(inputs.settings, controller=getattr(session.policy, "controller", inputs.controller))
+        summary = summarize(name, served, oracle_s, ran)
         if name == "oracle":
             oracle_s = summary.total_service_s
             summary = replace(summary, regret_vs_oracle=0.0)
@@ -266,17 +268,6 @@ def settings_line(settings: Settings | None, trace: Trace, as_recorded: bool) ->
     return line + (f"; today's differ from the recording's in {', '.join(apart)}" if apart else "")
 
 
-def learned_controller(name: str, trace: Trace):
-    """The controller settings a learned policy named ``name`` carries and decides with,
-    or None (not a learned policy, or one trained for other models: it falls back to
-    ``rakv`` under the replay's settings, and says so)."""
-    path = policy_path(name, trace.meta.models.get("pair"))
-    if path is None:
-        return None
-    policy_file = load_policy(path)
-    return policy_file.controller if policy_file.trained_for(trace.target_namespace, trace.draft_namespace) else None
-
-
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     timing = load_timing(args.timing, trace)
@@ -285,18 +276,15 @@ def run(args: argparse.Namespace) -> int:
     arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
     results = replay(trace, timing, names, arrivals, settings, args.strict)
     summaries = [summary for summary, _ in results.values()]
-    used = settings if settings is not None else trace.inputs.settings
-    own = {name: controller for name in names if (controller := learned_controller(name, trace)) is not None}
     if args.json:
         for summary in summaries:
-            ran = replace(used, controller=own[summary.policy]) if summary.policy in own else used
-            print(json.dumps({**asdict(summary), "settings": settings_to_json(ran)}))
+            print(json.dumps(asdict(summary)))
     else:
+        used = settings if settings is not None else trace.inputs.settings
         lines = [f"{args.trace.name}: {len(arrivals)} requests, timing from {timing.source}",
                  settings_line(settings, trace, args.as_recorded)]
-        lines += [f"{name}: its own controller settings" + "".join(
-            f", {d}" for d in differences(Settings(controller=controller), Settings(controller=used.controller)))
-                  for name, controller in own.items()]
+        lines += [f"{s.policy}: its own controller settings, {', '.join(differences(s.settings, used))}"
+                  for s in summaries if s.settings != used]
         print(markdown(summaries, "\n".join(lines)))
     if args.plot is not None:
         from simulator.plots import write_plots

@@ -9,7 +9,6 @@ is the one its run lengths were recorded with).
 from __future__ import annotations
 
 import warnings
-
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
@@ -80,8 +79,9 @@ def load_trace(path: str | Path) -> Trace:
     requests = tuple(_recorded(row, ngram, path) for row in table_to_rows("requests", read_table(path, "requests")))
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
-    return Trace(path=path, meta=meta, inputs=inputs, settings_problem=problem, target_namespace=meta.models.get("target"),
-                 draft_namespace=meta.models.get("draft"), requests=requests,
+    return Trace(path=path, meta=meta, inputs=inputs, settings_problem=problem,
+                 target_namespace=meta.models.get("target"), draft_namespace=meta.models.get("draft"),
+                 requests=requests,
                  runs=tuple(table_to_rows("runs", read_table(path, "runs"))),
                  ops=tuple(table_to_rows("ops", read_table(path, "ops"))), by_id={r.request_id: r for r in requests})
 

@@ -104,8 +104,10 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
     runs = list(trace.runs)
     samples = {(run.policy, run.request_id): sample for run, sample in overhead_samples(trace, costs)}
     predicted: dict[tuple[str, int], tuple[float, float]] = {}
+    fitted_elsewhere = fit_overhead(elsewhere) if fit_on else None  # one fit serves every request
     for request_id in sorted({r.request_id for r in runs}):
-        overhead = fit_overhead(elsewhere or [s for (p, rid), s in samples.items() if rid != request_id])
+        overhead = fitted_elsewhere if fit_on else fit_overhead(
+            [s for (p, rid), s in samples.items() if rid != request_id])
         for (policy, rid), s in samples.items():
             if rid == request_id:
                 cost = with_overhead(s.cost, overhead, s.num_rounds, s.adaptive)
@@ -115,7 +117,8 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
         mine = [r for r in runs if r.policy == policy]
         e2e = [abs(predicted[policy, r.request_id][0] - r.e2e_s) / r.e2e_s for r in mine]
         ttft = [abs(predicted[policy, r.request_id][1] - r.ttft_s) / r.ttft_s for r in mine]
-        policies[policy] = PolicyFidelity(len(mine), sum(not r.identical_to_ar for r in mine), float(np.mean(e2e)), float(np.mean(ttft)), len(mismatches[policy]),
+        policies[policy] = PolicyFidelity(len(mine), sum(not r.identical_to_ar for r in mine), float(np.mean(e2e)),
+                                          float(np.mean(ttft)), len(mismatches[policy]),
                                           sum(r.num_rounds for r in mine),
                                           sum(rounds_off_min_k_mt(r, trace.by_id[r.request_id]) for r in mine))
     correlations = []
@@ -127,7 +130,8 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
                 correlations.append(rho)
     first = next((m[0] for m in mismatches.values() if m), None)
     split = f"on {', '.join(Path(p).name for p in fit_on)} only" if fit_on else SPLIT
-    return Fidelity(Path(path).name, split, SETTINGS, policies, float(np.mean(correlations)) if correlations else float("nan"),
+    return Fidelity(Path(path).name, split, SETTINGS, policies,
+                    float(np.mean(correlations)) if correlations else float("nan"),
                     len({r.request_id for r in runs}), first)
 
 
@@ -145,7 +149,8 @@ def markdown(fidelity: Fidelity) -> str:
              "| rounds off min(k, m_t) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, p in fidelity.policies.items():
-        lines.append(f"| {name} | {p.num_runs} | {p.num_not_greedy} | {100 * p.e2e_mape:.1f}% | {100 * p.ttft_mape:.1f}% | "
+        lines.append(f"| {name} | {p.num_runs} | {p.num_not_greedy} | {100 * p.e2e_mape:.1f}% | "
+                     f"{100 * p.ttft_mape:.1f}% | "
                      f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
     if fidelity.first_mismatch:
         lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
@@ -160,9 +165,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m simulator.validate",
-                                description="Compare simulated with measured runs of a trace, per policy. Exit status 1 "
-                                            "if any run differs from greedy or any replayed round from the recorded one.")
+    p = argparse.ArgumentParser(
+        prog="python -m simulator.validate",
+        description="Compare simulated with measured runs of a trace, per policy. Exit status 1 if any run differs "
+                    "from greedy or any replayed round from the recorded one.")
     p.add_argument("--trace", type=Path, required=True, help="trace directory with a runs table")
     p.add_argument("--fit-on", nargs="+", type=Path, default=(), metavar="TRACE",
                    help="fit the overhead on these traces' runs only (recorded on the same machine), not on the "
