@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     start = time.perf_counter()
-    from simulator.replay import make_session, policy_names, simulate
+    from simulator.replay import ORACLES, make_session, policy_names, simulate
     from simulator.schedule import schedule
     from simulator.timing import load_timing
     from simulator.trace import load_trace
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     names = policy_names("all", trace, inputs)  # the fixed policies, rakv, learned if shipped, the oracle
     rates = {}
     for name in names:
-        arrivals = schedule(trace, args.oracle_requests if name == "oracle" else args.requests, None, seed=0)
+        arrivals = schedule(trace, args.oracle_requests if name in ORACLES else args.requests, None, seed=0)
         best_s = float("inf")
         for _ in range(max(args.repeat, 1)):
             session = make_session(name, trace, inputs, timing)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        slowest = min((r, n) for n, r in rates.items() if n not in ("oracle", "learned"))
+        slowest = min((r, n) for n, r in rates.items() if n not in ("learned", *ORACLES))
         print(f"{args.trace.name}, {args.requests} resampled requests: slowest policy {slowest[1]} at "
               f"{slowest[0]:.0f} requests/s (goal {GOAL_REQUESTS_PER_S}); oracle {rates['oracle']:.0f} requests/s; "
               f"fit {fit_s:.2f} s (goal {GOAL_FIT_S:.0f}); peak RSS {peak_rss_mb:.0f} MB (goal {GOAL_PEAK_RSS_MB:.0f})")

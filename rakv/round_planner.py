@@ -72,6 +72,7 @@ class FixedRounds:
 
     shadowed: tuple[str, ...] = ()
     confidence = 0.0
+    adaptive = False  # the same (drafter, k) every round
 
     def __init__(self, drafter: str, k: int):
         self.drafter, self.k = drafter, k
@@ -219,6 +220,8 @@ class AdaptiveRounds:
     engine reports how much of its proposal the new tokens confirm, so a copy stretch is
     noticed after one step and the estimate decays again once it ends.
     """
+
+    adaptive = True  # each round planned anew
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
                  fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig(),

@@ -192,8 +192,9 @@ def request_cost(replayed: ReplayedRequest, num_prompt: int, costs: OpCosts, inp
         total += costs.insert(store.kept_tokens * inputs.target_sizes.kv_bytes_per_token)
     if store.kept_draft_tokens:
         total += costs.insert(store.kept_draft_tokens * inputs.draft_sizes.kv_bytes_per_token)
+    # the round oracle plans for free (``simulator.round_oracle``)
     return with_overhead(RequestCost(ttft, total, decode[1], ttft, total), overhead, len(replayed.rounds),
-                         replayed.adaptive)
+                         replayed.adaptive and not replayed.foresight)
 
 
 def _decode_s(costs: OpCosts, n: int, num_output: int, drafters: tuple[str, ...], draft_reused: int,

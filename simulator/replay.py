@@ -3,9 +3,11 @@
 Discrete-event replay at batch 1 with an FCFS queue: requests arrive (``simulator.schedule``),
 wait while the engine serves earlier ones, and are served by the engine's own store
 model, policy and round planner (``simulator.session``: decisions and acceptance are
-exact), at the cost the per-op model gives the engine's work (``simulator.costs``). The
-oracle (``simulator.oracle``) prices every action of every request and takes the
-cheapest; each policy's regret is its total service time over the oracle's, minus one.
+exact), at the cost the per-op model gives the engine's work (``simulator.costs``). Two
+oracles bound the policies, and each policy's regret is its total service time over
+theirs, minus one: the oracle (``simulator.oracle``) prices every request-level choice of
+every request and takes the cheapest; the round oracle (``simulator.round_oracle``) takes
+each request's best schedule of rounds, knowing the run lengths.
 
     python -m simulator.replay                                   # a shipped trace, every policy
     python -m simulator.replay --trace traces/smollm2-sharegpt --policy rakv --requests 10000 --json
@@ -36,12 +38,14 @@ from rakv.policies import LEARNED, check_policy, resolve_policy, shipped_policy
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
 from simulator.oracle import Oracle
+from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
 from simulator.schedule import Arrival, ScheduleError, schedule
 from simulator.session import Session, SessionError
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace, under_ngram
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
+ORACLES = {ROUND_ORACLE: RoundOracle, "oracle": Oracle}  # replayed first: every policy's regret is against them
 PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
 
 
@@ -76,6 +80,7 @@ class PolicySummary:
     mean_accepted_per_round: float
     total_service_s: float
     regret_vs_oracle: float | None  # total service time over the oracle's, minus one
+    regret_vs_round_oracle: float | None  # total service time over the round oracle's, minus one
     action_histogram: dict[str, int]
     settings: Settings  # what the policy decided with: the replay's, or a learned policy's own controller
 
@@ -88,7 +93,7 @@ def serve(session: Session, arrival: Arrival, start_s: float, timing: Timing) ->
     return Served(request.request_id, arrival.arrival_s, wait_s + cost.ttft_s, wait_s + cost.e2e_s, cost.e2e_s,
                   len(request.prompt_ids), replayed.hit_tokens, replayed.store.reuse.reused_tokens,
                   replayed.num_output_tokens, len(replayed.rounds), sum(r.accepted for r in replayed.rounds),
-                  str(replayed.choice))
+                  replayed.label)
 
 
 def simulate(arrivals: list[Arrival], session: Session, timing: Timing, progress=None) -> list[Served]:
@@ -114,7 +119,8 @@ def simulate(arrivals: list[Arrival], session: Session, timing: Timing, progress
     return served
 
 
-def summarize(policy: str, served: list[Served], oracle_service_s: float | None, settings: Settings) -> PolicySummary:
+def summarize(policy: str, served: list[Served], settings: Settings, oracle_service_s: float | None = None,
+              round_oracle_service_s: float | None = None) -> PolicySummary:
     e2e = np.array([s.e2e_s for s in served])
     span_s = max(s.arrival_s + s.e2e_s for s in served) - min(s.arrival_s for s in served)
     rounds = sum(s.num_rounds for s in served)
@@ -128,6 +134,7 @@ def summarize(policy: str, served: list[Served], oracle_service_s: float | None,
         mean_accepted_per_round=sum(s.num_accepted for s in served) / rounds if rounds else 0.0,
         total_service_s=total_s,
         regret_vs_oracle=None if oracle_service_s is None else total_s / oracle_service_s - 1.0,
+        regret_vs_round_oracle=None if round_oracle_service_s is None else total_s / round_oracle_service_s - 1.0,
         action_histogram=dict(Counter(s.action for s in served).most_common()), settings=settings)
 
 
@@ -137,10 +144,10 @@ def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
     pair = trace.meta.models.get("pair")
     if spec == "all":
         shipped = [LEARNED] if shipped_policy(pair) is not None else []
-        return list(fixed_policy_names(inputs.draft_sizes is not None)) + [ADAPTIVE_NAME] + shipped + ["oracle"]
+        return list(fixed_policy_names(inputs.draft_sizes is not None)) + [ADAPTIVE_NAME] + shipped + list(ORACLES)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name != "oracle":
+        if name not in ORACLES:
             check_policy(name, pair, inputs.draft_sizes is not None)  # the one-line error naming the choices
     return names
 
@@ -148,8 +155,8 @@ def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
 def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing, strict: bool = False) -> Session:
     """A session of the named policy, resolved as ``rakv.generate`` resolves it
     (``rakv.policies``); a learned policy decides with its own controller settings."""
-    if name == "oracle":
-        return Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
+    if name in ORACLES:
+        return ORACLES[name](inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
     policy = resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
                             trace.meta.models.get("pair"), strict)
     return Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
@@ -158,27 +165,24 @@ def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
            settings: Settings | None = Settings(),
            strict: bool = False) -> dict[str, tuple[PolicySummary, list[Served]]]:
-    """Every named policy over the same arrivals (the oracle's regret baseline included),
-    deciding with ``settings`` (default: today's; None: the trace's recorded ones)."""
+    """Every named policy over the same arrivals (the oracles, the regrets' baselines,
+    included), deciding with ``settings`` (default: today's; None: the trace's recorded ones)."""
     inputs = timing.decision_inputs(trace, settings)
     trace = under_ngram(trace, inputs.engine.ngram)
-    order = ["oracle"] + [n for n in names if n != "oracle"]
+    order = list(ORACLES) + [n for n in names if n not in ORACLES]
     total = len(order) * len(arrivals)
     progress = None
     if total >= PROGRESS_MIN_REQUESTS:
         from tqdm import tqdm
         progress = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, leave=False)
-    results = {}
-    oracle_s = None
+    ran = {}
     for name in order:
         session = make_session(name, trace, inputs, timing, strict)
-        served = simulate(arrivals, session, timing, progress)
-        ran = replace(inputs.settings, controller=getattr(session.policy, "controller", inputs.controller))
-        summary = summarize(name, served, oracle_s, ran)
-        if name == "oracle":
-            oracle_s = summary.total_service_s
-            summary = replace(summary, regret_vs_oracle=0.0)
-        results[name] = (summary, served)
+        settings_ran = replace(inputs.settings, controller=getattr(session.policy, "controller", inputs.controller))
+        ran[name] = (simulate(arrivals, session, timing, progress), settings_ran)
+    baselines = [sum(s.service_s for s in ran[oracle][0]) for oracle in ("oracle", ROUND_ORACLE)]
+    results = {name: (summarize(name, served, settings_ran, *baselines), served)
+               for name, (served, settings_ran) in ran.items()}
     if progress is not None:
         progress.close()
     return {name: results[name] for name in names}
@@ -187,13 +191,14 @@ def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arriva
 def markdown(summaries: list[PolicySummary], title: str) -> str:
     lines = [f"{title}", "",
              "| policy | mean e2e (s) | p50 (s) | p99 (s) | mean TTFT (s) | tok/s | hit rate | accepted/round "
-             "| regret vs oracle | most frequent action |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| regret vs oracle | vs round oracle | most frequent action |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         action, count = next(iter(s.action_histogram.items()))
         lines.append(f"| {s.policy} | {s.mean_e2e_s:.3f} | {s.p50_e2e_s:.3f} | {s.p99_e2e_s:.3f} | {s.mean_ttft_s:.3f} "
                      f"| {s.tokens_per_s:.2f} | {s.hit_rate:.2f} | {s.mean_accepted_per_round:.2f} "
-                     f"| {100 * s.regret_vs_oracle:+.1f}% | {action} x{count} |")
+                     f"| {100 * s.regret_vs_oracle:+.1f}% | {100 * s.regret_vs_round_oracle:+.1f}% "
+                     f"| {action} x{count} |")
     return "\n".join(lines)
 
 
@@ -208,7 +213,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timing trace of the same model shapes, perhaps another machine's (default: the trace's "
                         "own ops, else the timing trace its metadata names)")
     p.add_argument("--policy", default="all",
-                   help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle, learned[=PATH] "
+                   help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle, round-oracle, "
+                        "learned[=PATH] "
                         "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
     p.add_argument("--strict", action="store_true",
                    help="a learned policy trained for other models is an error, not a fallback to rakv")

@@ -20,7 +20,7 @@ from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.round_planner import AdaptiveRounds, FixedRounds
+from rakv.round_planner import FixedRounds
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
 from simulator.trace import RecordedRequest, Trace
@@ -37,6 +37,7 @@ class ReplayedRequest:
     rounds: tuple[ReplayedRound, ...]
     num_output_tokens: int
     estimates: tuple[tuple[str, float], ...]  # the adaptive policy's acceptance per drafter when it decided
+    foresight: bool = False  # its rounds were the round oracle's: planned knowing the run lengths, at no cost
 
     @property
     def hit_tokens(self) -> int:
@@ -52,6 +53,13 @@ class ReplayedRequest:
         if self.adaptive:
             return Choice(self.action.r, True, DRAFT_MODEL if self.draft_ready else NGRAM, 0)
         return Choice(self.action.r, False, self.action.drafter, self.action.k)
+
+    @property
+    def label(self) -> str:
+        """What ran, in a histogram: the choice, or the round oracle's readied drafters."""
+        if self.foresight:
+            return f"(r={self.action.r}, {'+'.join(self.drafters) or 'plain'} with foresight)"
+        return str(self.choice)
 
 
 class SessionError(ValueError):
@@ -94,7 +102,7 @@ class Session:
                                    draft_side, action.r, rounds)
         self.policy.observe(RequestOutcome(action, planner.counts()))
         return ReplayedRequest(request.request_id, action, features, outcome, tuple(planner.drafters),
-                               isinstance(planner, AdaptiveRounds), rounds, len(seq) - n, estimates)
+                               planner.adaptive, rounds, len(seq) - n, estimates)
 
     def decide(self, request: RecordedRequest, features: RequestFeatures, target: PrefixMatch,
                draft: PrefixMatch) -> tuple[Action, object, tuple[ReplayedRound, ...]]:
