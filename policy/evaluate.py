@@ -1,88 +1,191 @@
-"""``python -m policy.evaluate``: a learned policy on its held-out test requests, next to
-the analytic ``rakv`` controller, the best fixed policy and the oracle.
+"""``python -m policy.evaluate``: a learned policy on its held-out families of a trace,
+replayed beside the analytic ``rakv`` controller, the oracle and the round oracle.
 
     python -m policy.evaluate --policy policies/smollm2 --trace traces/smollm2-chat [--json]
 
-The trace's requests are labelled as in training (``policy.dataset``, with the policy's
-controller settings and resampling) and those of the families the policy's sidecar names
-as its test split are scored: Spearman between predicted and true cost rankings, mean and 95th
-percentile regret, k-accuracy, choice accuracy and the MAPE of predicted costs
-(``policy.model.metrics``). Imports no torch.
+Reported (``Evaluation``):
+- ``tokens_per_s`` of ``learned``, ``rakv``, ``oracle`` and ``round-oracle``: output tokens
+  per second of service over the held-out requests, replayed in recorded order under
+  today's settings (a learned policy under its own controller settings);
+- ``headroom_captured`` = (learned - rakv) / (round-oracle - rakv);
+- per drafter, the AUC and Brier score of the m >= 1 prediction at the round starts of
+  those requests, beside the same for the request's EWMA estimate (``ewma_auc``);
+- ``paper_actions``: the paper's 12 actions (r in {0, 1}, k in {0, 1, 2, 4, 6, 8}, the
+  draft model) ranked per request by the analytic cost model that makes the learned
+  policy's request-level choice, against their replayed costs: Spearman, mean regret,
+  action accuracy, k accuracy and the MAPE of the predicted costs.
+Imports no torch.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from policy.model import Metrics, analytic_scores, fixed_scores, metrics, model_scores
-from policy.train import groups_of
+from policy.paper_actions import PaperMetrics, paper_metrics
+from policy.round_data import collect, first_target
 from profiler.schema import TraceError
 from rakv.cli import run_cli
-from rakv.learned import PolicyFileError, load_policy
+from rakv.learned import LearnedPolicy, PolicyFile, PolicyFileError, load_policy
+from rakv.settings import DecisionInputs, Settings
 from simulator.costs import CostModelError
-from simulator.session import SessionError
-from simulator.timing import load_timing
-from simulator.trace import load_trace
+from simulator.oracle import Oracle
+from simulator.replay import simulate
+from simulator.round_oracle import RoundOracle
+from simulator.schedule import schedule
+from simulator.session import Session, SessionError
+from simulator.timing import Timing, load_timing
+from simulator.trace import Trace, load_trace
+
+CHOOSERS = ("learned", "rakv", "oracle", "round-oracle")
 
 
-def evaluate(policy_path: Path, trace_path: Path, timing_path: Path | None = None) -> dict[str, Metrics]:
-    policy = load_policy(policy_path)
+@dataclass(frozen=True)
+class Prediction:
+    """How well P(m >= 1) is predicted at a drafter's round starts."""
+
+    num_rows: int
+    auc: float | None
+    brier: float
+    ewma_auc: float | None  # the request's EWMA estimate as the prediction
+    ewma_brier: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    trace: str
+    num_requests: int
+    tokens_per_s: dict[str, float]
+    headroom_captured: float | None  # None where the round oracle is no faster than rakv
+    prediction: dict[str, Prediction]
+    paper_actions: PaperMetrics | None  # None for a pair without a draft model
+
+
+def subset(trace: Trace, families: set[str]) -> Trace:
+    """The trace's requests of these families (group ids), in recorded order."""
+    kept = tuple(r for r in trace.requests if r.group_id in families)
+    return replace(trace, requests=kept, by_id={r.request_id: r for r in kept})
+
+
+def service_tokens_per_s(trace: Trace, timing: Timing, session: Session) -> float:
+    """Output tokens per second of service of ``session`` over the trace's requests."""
+    served = simulate(schedule(trace), session, timing)
+    return sum(s.num_output_tokens for s in served) / sum(s.service_s for s in served)
+
+
+def session_of(name: str, policy_file: PolicyFile | None, trace: Trace, timing: Timing,
+               inputs: DecisionInputs) -> Session:
+    namespaces = (trace.target_namespace, trace.draft_namespace)
+    if name == "learned":
+        return Session(LearnedPolicy(policy_file, inputs.timings), inputs, *namespaces)
+    if name == "oracle":
+        return Oracle(inputs, timing.costs, timing.overhead, *namespaces)
+    if name == "round-oracle":
+        return RoundOracle(inputs, timing.costs, timing.overhead, *namespaces)
+    return Session.for_policy(name, inputs, *namespaces)
+
+
+def auc(score: np.ndarray, label: np.ndarray) -> float | None:
+    """The probability that a positive outscores a negative (ties half), or None without both."""
+    positives, negatives = label.sum(), len(label) - label.sum()
+    if not positives or not negatives:
+        return None
+    order = np.argsort(score, kind="mergesort")
+    ranks = np.empty(len(score))
+    sorted_scores = score[order]
+    i = 0
+    while i < len(score):  # average ranks over ties
+        j = i
+        while j + 1 < len(score) and sorted_scores[j + 1] == sorted_scores[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[label == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
+
+
+def predictions(policy_file: PolicyFile, trace: Trace, inputs: DecisionInputs) -> dict[str, Prediction]:
+    from rakv.learned_rounds import ROUND_FEATURES
+    rows = collect(trace, inputs, policy_file.controller, float(policy_file.sidecar["draft_prior"]),
+                   policy_file.model)
+    estimate = ROUND_FEATURES.index("estimate")
+    found = {}
+    for drafter, r in rows.items():
+        if drafter not in policy_file.model.heads or not len(r.run):
+            continue
+        label = first_target(r)
+        p = np.array([policy_file.model.predict(drafter, row)[0] for row in r.x])
+        ewma = r.x[:, estimate]
+        found[drafter] = Prediction(len(label), auc(p, label), float(np.mean((p - label) ** 2)), auc(ewma, label),
+                                    float(np.mean((ewma - label) ** 2)))
+    return found
+
+
+def evaluate_trace(policy_file: PolicyFile, trace: Trace, timing: Timing, families: set[str]) -> Evaluation:
+    """``policy_file`` over the trace's requests of ``families`` (see the module docstring)."""
+    held_out = subset(trace, families)
+    if not held_out.requests:
+        raise PolicyFileError(f"{policy_file.path}: none of its test families is in {trace.path}")
+    inputs = timing.decision_inputs(held_out, Settings())
+    rates = {name: service_tokens_per_s(held_out, timing, session_of(name, policy_file, held_out, timing, inputs))
+             for name in CHOOSERS}
+    gap = rates["round-oracle"] - rates["rakv"]
+    paper = paper_metrics(held_out, timing, inputs) if inputs.draft_sizes is not None else None
+    return Evaluation(trace.path.name, len(held_out.requests), rates,
+                      (rates["learned"] - rates["rakv"]) / gap if gap > 0 else None,
+                      predictions(policy_file, held_out, inputs), paper)
+
+
+def evaluate(policy_path: Path, trace_path: Path, timing_path: Path | None = None) -> Evaluation:
+    policy_file = load_policy(policy_path)
     trace = load_trace(trace_path)
-    timing = load_timing(timing_path or trace_path, trace)
-    split = policy.sidecar["split"]
-    test_families = set(split["test_families"])
-    groups = [g for g in groups_of(trace, timing, policy.controller, split["resample"], split["seed"])
-              if g.family in test_families]
-    if not groups:
-        raise PolicyFileError(f"{policy_path}: none of its test requests is in {trace_path} "
-                              f"(it was trained on {', '.join(policy.sidecar['split']['traces'])})")
-    fixed = [i for i, c in enumerate(groups[0].choices) if not c.adaptive]
-    best_fixed = min(fixed, key=lambda i: sum(g.cost_s[i] for g in groups))
-    return {
-        "learned": metrics(groups, *model_scores(policy.kind, policy.booster, groups)),
-        "rakv": metrics(groups, *analytic_scores(groups), chosen_per_group=[g.analytic_choice for g in groups]),
-        f"best fixed {groups[0].choices[best_fixed]}": metrics(groups, fixed_scores(groups, best_fixed)),
-        "oracle": metrics(groups, [g.cost_s for g in groups], [g.cost_s for g in groups]),
-    }
+    return evaluate_trace(policy_file, trace, load_timing(timing_path, trace),
+                          set(policy_file.sidecar["split"]["test_families"]))
 
 
-def markdown(results: dict[str, Metrics], trace: str) -> str:
-    lines = [f"{trace}: {next(iter(results.values())).num_requests} held-out requests", "",
-             "| chooser | Spearman | mean regret | p95 regret | k-accuracy | choice accuracy | MAPE |",
-             "|---|---|---|---|---|---|---|"]
-    for name, m in results.items():
-        mape = "" if m.mape is None else f"{100 * m.mape:.1f}%"
-        lines.append(f"| {name} | {m.spearman:.3f} | {100 * m.mean_regret:.3f}% | {100 * m.p95_regret:.2f}% "
-                     f"| {100 * m.k_accuracy:.1f}% | {100 * m.action_accuracy:.1f}% | {mape} |")
+def markdown(e: Evaluation) -> str:
+    lines = [f"{e.trace}: {e.num_requests} held-out requests", "",
+             "| chooser | tok/s (service) | vs rakv |", "|---|---|---|"]
+    lines += [f"| {name} | {rate:.2f} | {rate / e.tokens_per_s['rakv'] - 1:+.1%} |"
+              for name, rate in e.tokens_per_s.items()]
+    captured = "n/a (no headroom)" if e.headroom_captured is None else f"{e.headroom_captured:.2f}"
+    lines += ["", f"headroom captured: {captured}", "",
+              "| drafter | rows | AUC m>=1 | Brier | EWMA AUC | EWMA Brier |", "|---|---|---|---|---|---|"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    lines += [f"| {d} | {p.num_rows} | {fmt(p.auc)} | {p.brier:.3f} | {fmt(p.ewma_auc)} | {p.ewma_brier:.3f} |"
+              for d, p in e.prediction.items()]
+    if e.paper_actions is not None:
+        p = e.paper_actions
+        lines += ["", "paper's 12 actions (analytic request-level ranking): "
+                  f"Spearman {p.spearman:.3f}, mean regret {p.mean_regret:.2%}, action accuracy "
+                  f"{p.action_accuracy:.1%}, k accuracy {p.k_accuracy:.1%}, MAPE {p.mape:.1%}"]
     return "\n".join(lines)
 
 
-def _json_safe(values: dict) -> dict:
-    return {k: None if isinstance(v, float) and np.isnan(v) else v for k, v in values.items()}
+def _json_safe(value):
+    if isinstance(value, float) and np.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
-    results = evaluate(args.policy, args.trace, args.timing)
-    if args.json:
-        plain = {k: _json_safe(asdict(v)) for k, v in results.items()}
-        print(json.dumps({**plain.pop("learned"), "baselines": plain}))
-    else:
-        print(markdown(results, args.trace.name))
+    result = evaluate(args.policy, args.trace, args.timing)
+    print(json.dumps(_json_safe(asdict(result))) if args.json else markdown(result))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m policy.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policy", type=Path, required=True, help="policy directory (model.txt, policy.json)")
+    p.add_argument("--policy", type=Path, required=True, help="policy directory (policy.json and the round models)")
     p.add_argument("--trace", type=Path, required=True, help="a trace the policy was trained on")
-    p.add_argument("--timing", type=Path, default=None, help="timing trace, for a trace with no ops table")
-    p.add_argument("--json", action="store_true", help="print one JSON object: the learned policy's metrics and "
-                                                      "its baselines'")
+    p.add_argument("--timing", type=Path, default=None,
+                   help="timing trace (default: the trace's own ops, else the timing trace its metadata names)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, SessionError, OSError))
 
 

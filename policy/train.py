@@ -1,18 +1,25 @@
-"""``python -m policy.train``: fit, tune and export the learned policy.
+"""``python -m policy.train``: fit, tune and export the learned round planner.
 
-    python -m policy.train --trace traces/smollm2-humaneval traces/smollm2-chat --out policies/smollm2
-    python -m policy.train --trace traces/qwen-coder-humaneval --timing traces/qwen-coder-ops --out policies/qwen
+    python -m policy.train --trace traces/smollm2-chat traces/smollm2-humaneval --out policies/smollm2
+    python -m policy.train --trace traces/qwen-coder-humaneval traces/qwen-coder-humaneval-runs --out policies/qwen-coder
     python -m policy.train ... --storage postgresql+psycopg://postgres@/optuna?host=/tmp/pg --study shared
 
-Every request of every trace is a group whose choices are labelled (``policy.dataset``);
-train, validation and test are split by prefix family. Optuna (seeded TPE, median
-pruning) searches the LightGBM parameters, the model kind (regression or lambdarank) and
-the controller's EWMA decay and planner margin together, minimising the mean regret on
-validation; every trial is stored (a SQLite file beside ``--out`` by default, or any
-SQLAlchemy URL, so several machines can tune one study), and a study resumes where it
-stopped: ``--trials`` is the total it runs to. The best trial's model is refitted on train
-and validation and exported (``save_policy``: the format ``rakv.learned`` loads) with its
-test metrics. Imports no torch.
+The decision points of every request are labelled with each drafter's run length
+(``policy.round_data``); families are split train / validation / test, and the test
+families never reach fitting or tuning. Per drafter two LightGBM heads are fitted: P(m >= 1)
+and P(m >= j + 1 | m >= j) (``rakv.learned_rounds``). Optuna (seeded TPE, median pruning)
+tunes the trees and the planner's margin and confidence threshold (``planner.min_gain``,
+``planner.draft_confidence``) with the simulator as the
+judge: a trial's objective is the replayed tokens per second of service of the learned
+policy on the validation families, over ``rakv``'s, averaged over the traces (a trial is
+pruned after any trace). Every trial is stored (a SQLite file beside ``--out`` by
+default, or any SQLAlchemy URL, so several machines can tune one study), and a study
+resumes where it stopped: ``--trials`` is the total it runs to.
+
+The best trial is refitted on train and validation, with the decision points the learned
+planner itself visits added (a second pass), measured on the test families
+(``policy.evaluate``), and exported: LightGBM text per head and a JSON sidecar, never a
+pickle. Imports no torch.
 """
 from __future__ import annotations
 
@@ -20,112 +27,165 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from policy.dataset import SPLITS, build_groups, split_families
-from policy.model import KINDS, analytic_scores, metrics, model_scores, train
+import numpy as np
+
+from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, subset
+from policy.round_data import (DrafterRows, collect, draft_acceptance, first_target, further_target, split_families,
+                               token_prior)
 from profiler.schema import SCHEMA_VERSION, TraceError
 from rakv.cli import run_cli
 from rakv.controller import ControllerConfig
-from rakv.learned import FORMAT, FORMAT_VERSION, MODEL_FILE, SIDECAR_FILE, SIDECAR_KEYS
-from rakv.learned_features import FEATURES
-from rakv.round_planner import PlannerConfig
-from rakv.settings import settings_to_json
+from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, PolicyFile, head_file,
+                          token_priors_to_json)
+from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
+from rakv.settings import Settings, settings_to_json
+from rakv.trees import compile_model
 from simulator.costs import CostModelError
 from simulator.session import SessionError
 from simulator.timing import load_timing
 from simulator.trace import load_trace
 
-PRUNE_EVERY = 20  # boosting rounds between pruning checks
+MAX_ROUNDS, MAX_LEAVES = 40, 15  # trees cost decision time: 4 heads of 40 trees of depth < 15 take ~20 us
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m policy.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace directories to learn from")
+    p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace directories of one pair to learn from")
     p.add_argument("--timing", type=Path, default=None,
-                   help="timing trace for the traces that have no ops table of their own (same model shapes)")
-    p.add_argument("--out", type=Path, required=True, help="policy directory to write (model.txt, policy.json)")
-    p.add_argument("--trials", type=int, default=40, help="trials the study runs to, in all (default: 40)")
+                   help="timing trace for traces with no ops that name none (same model shapes)")
+    p.add_argument("--out", type=Path, required=True, help="policy directory to write")
+    p.add_argument("--trials", type=int, default=30, help="trials the study runs to, in all (default: 30)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<out>.optuna.db)")
     p.add_argument("--study", default=None, help="study name (default: the --out directory's name)")
-    p.add_argument("--resample", type=int, default=200,
-                   help="per trace, also this many requests resampled with their prefix families: more store and "
-                        "estimate states to learn from (default: 200; 0: the recorded order only)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split, the resampling and the sampler (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split, the trees and the sampler (default: 0)")
     p.add_argument("--worker", type=int, default=0, help="this worker's number: its sampler seed is seed + worker")
     p.add_argument("--no-export", action="store_true", help="tune only (a worker beside another that exports)")
     return p.parse_args(argv)
 
 
 class Data:
-    """The traces and their timings; groups per controller setting, computed once each."""
+    """The traces, their timings and today's decision inputs; the family split; the
+    decision points of the first pass (the analytic planner's)."""
 
-    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int, resample: int = 0):
+    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int):
         self.sources = []
         for path in paths:
             trace = load_trace(path)
-            has_ops = bool(trace.ops)
-            if not has_ops and timing_path is None:
-                raise TraceError(f"{path}: no ops table: give --timing")
-            self.sources.append((trace, load_timing(path if has_ops else timing_path, trace)))
-        self.seed, self.resample = seed, resample
-        self._cache: dict[ControllerConfig, dict] = {}
+            timing = load_timing(timing_path if not trace.ops and timing_path is not None else None, trace)
+            self.sources.append((trace, timing, timing.decision_inputs(trace, Settings())))
+        pairs = {trace.meta.models.get("pair") for trace, _, _ in self.sources}
+        if len(pairs) > 1:
+            raise ValueError(f"the traces are of several pairs ({', '.join(map(str, sorted(pairs, key=str)))}); "
+                             "a policy is trained for one")
+        counts: dict[str, int] = {}
+        for trace, _, _ in self.sources:
+            for r in trace.requests:
+                counts[r.group_id] = counts.get(r.group_id, 0) + 1
+        self.split = split_families(counts, seed)
+        self.seed = seed
+        self._first_pass: dict[tuple, dict[str, DrafterRows]] = {}
+        draft_rows = self.rows(None, ("train",), ControllerConfig(), 0.5).get("draft")
+        self.draft_prior = draft_acceptance(draft_rows) if draft_rows is not None else 0.5
 
-    def splits(self, controller: ControllerConfig) -> dict:
-        if controller not in self._cache:
-            groups = [g for trace, timing in self.sources for g in groups_of(trace, timing, controller, self.resample,
-                                                                              self.seed)]
-            if len(self._cache) >= 8:  # a few settings at a time: memory
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[controller] = split_families(groups, self.seed)
-        return self._cache[controller]
+    def families(self, *splits: str) -> set[str]:
+        return {f for f, s in self.split.items() if s in splits}
+
+    def rows(self, model: RoundModel | None, splits: tuple[str, ...], controller: ControllerConfig,
+             draft_prior: float) -> dict[str, DrafterRows]:
+        """Per drafter, the decision points of the requests of ``splits`` under ``model``
+        (None: the analytic planner's, computed once per setting)."""
+        key = (splits, controller, draft_prior)
+        if model is None and key in self._first_pass:
+            return self._first_pass[key]
+        families, found = self.families(*splits), {}
+        for trace, _, inputs in self.sources:
+            for drafter, rows in collect(subset(trace, families), inputs, controller, draft_prior, model).items():
+                found.setdefault(drafter, []).append(rows)
+        rows = {d: DrafterRows.concat(parts) for d, parts in found.items()}
+        if model is None:
+            self._first_pass[key] = rows
+        return rows
 
 
-def groups_of(trace, timing, controller: ControllerConfig | None, resample: int, seed: int) -> list:
-    """The trace's groups as recorded, then ``resample`` more (see ``--resample``)."""
-    groups = build_groups(trace, timing, controller)
-    return groups + (build_groups(trace, timing, controller, resample, seed + 1) if resample else [])
+def lgb_params(params: dict, objective: str, seed: int) -> dict:
+    return {"objective": objective, "verbosity": -1, "seed": seed, "deterministic": True, "num_threads": 1,
+            "force_row_wise": True, "max_depth": 8, **params}
 
 
-def controller_config(ewma_decay: float, min_gain: float) -> ControllerConfig:
-    """The controller settings a trial tunes; the rest are the defaults."""
-    return ControllerConfig(ewma_decay=ewma_decay, rounds=PlannerConfig(min_gain=min_gain))
+def fit_heads(rows: dict[str, DrafterRows], params: dict, num_rounds: int, seed: int) -> dict[str, tuple]:
+    """Per drafter with rows, its (first, further) boosters."""
+    import lightgbm as lgb
+    boosters = {}
+    for drafter, r in rows.items():
+        keep, share, weight = further_target(r)
+        if len(r.run) < 20 or keep.sum() < 10:
+            continue  # too few to learn from: the EWMA estimate plans this drafter's rounds
+        first = lgb.train(lgb_params(params, "binary", seed), lgb.Dataset(r.x, first_target(r)),
+                          num_boost_round=num_rounds)
+        further = lgb.train(lgb_params(params, "cross_entropy", seed), lgb.Dataset(r.x[keep], share, weight=weight),
+                            num_boost_round=num_rounds)
+        boosters[drafter] = (first, further)
+    return boosters
 
 
-def controller_of(trial) -> ControllerConfig:
-    # on a grid: each setting's labels are simulated once, however many trials draw it
-    return controller_config(trial.suggest_float("ewma_decay", 0.05, 0.6, step=0.05),
-                             trial.suggest_float("min_gain", 0.0, 0.5, step=0.05))
+def round_model(boosters: dict[str, tuple], priors: dict) -> RoundModel:
+    return RoundModel({d: tuple(compile_model(b.model_to_string(), len(ROUND_FEATURES)) for b in pair)
+                       for d, pair in boosters.items()}, priors)
 
 
-def params_of(trial) -> tuple[str, dict, int]:
-    kind = trial.suggest_categorical("kind", KINDS)
-    params = {"num_leaves": trial.suggest_int("num_leaves", 4, 31, log=True),
-              "learning_rate": trial.suggest_float("learning_rate", 0.01, 0.3, log=True),
-              "min_data_in_leaf": trial.suggest_int("min_data_in_leaf", 2, 50, log=True),
-              "feature_fraction": trial.suggest_float("feature_fraction", 0.5, 1.0),
+def with_priors(rows: dict[str, DrafterRows]) -> tuple[dict[str, DrafterRows], dict]:
+    """First-pass rows with their token priors filled in, and the priors (from these rows)."""
+    priors = {d: token_prior(r) for d, r in rows.items()}
+    return {d: r.with_token_prior(priors[d]) for d, r in rows.items()}, priors
+
+
+def in_memory(model: RoundModel, controller: ControllerConfig, draft_prior: float) -> PolicyFile:
+    return PolicyFile(Path("<trial>"), model, {"controller": settings_to_json(controller), "draft_prior": draft_prior})
+
+
+def trial_settings(trial) -> tuple[dict, int, ControllerConfig]:
+    params = {"num_leaves": trial.suggest_int("num_leaves", 4, MAX_LEAVES),
+              "learning_rate": trial.suggest_float("learning_rate", 0.03, 0.3, log=True),
+              "min_data_in_leaf": trial.suggest_int("min_data_in_leaf", 5, 200, log=True),
               "lambda_l2": trial.suggest_float("lambda_l2", 1e-3, 10.0, log=True)}
-    return kind, params, trial.suggest_int("num_rounds", 20, 120, step=20)  # trees cost decision time
+    num_rounds = trial.suggest_int("num_rounds", 10, MAX_ROUNDS, step=10)
+    return params, num_rounds, controller_config(trial.suggest_float("min_gain", 0.0, 0.3, step=0.05),
+                                                 trial.suggest_float("draft_confidence", 0.0, 0.8, step=0.1))
 
 
-def objective(data: Data, seed: int):
+def controller_config(min_gain: float, draft_confidence: float) -> ControllerConfig:
+    """The planner settings a trial tunes (on grids: each setting's first pass is collected
+    once, however many trials draw it); the rest are today's defaults."""
+    base = ControllerConfig()
+    return replace(base, rounds=replace(base.rounds, min_gain=min_gain, draft_confidence=draft_confidence))
+
+
+def objective(data: Data):
     import optuna
+    validation = data.families("validation")
+    baseline = {}  # per trace: rakv's tokens per second of service on the validation families
 
     def run(trial) -> float:
-        splits = data.splits(controller_of(trial))
-        kind, params, num_rounds = params_of(trial)
-        validation = splits["validation"]
-
-        def prune(env):
-            if env.iteration and env.iteration % PRUNE_EVERY == 0:
-                regret = metrics(validation, model_scores(kind, env.model, validation)[0]).mean_regret
-                trial.report(regret, env.iteration)
-                if trial.should_prune():
-                    raise optuna.TrialPruned()
-
-        booster = train(kind, splits["train"], params, num_rounds, seed, callbacks=[prune])
-        return metrics(validation, model_scores(kind, booster, validation)[0]).mean_regret
+        params, num_rounds, controller = trial_settings(trial)
+        rows, priors = with_priors(data.rows(None, ("train",), controller, data.draft_prior))
+        model = round_model(fit_heads(rows, params, num_rounds, data.seed), priors)
+        policy_file = in_memory(model, controller, data.draft_prior)
+        ratios = []
+        for step, (trace, timing, inputs) in enumerate(data.sources):
+            held = subset(trace, validation)
+            if not held.requests:
+                continue
+            if trace.path not in baseline:
+                baseline[trace.path] = service_tokens_per_s(held, timing, session_of("rakv", None, held, timing, inputs))
+            learned = service_tokens_per_s(held, timing, session_of("learned", policy_file, held, timing, inputs))
+            ratios.append(learned / baseline[trace.path])
+            trial.report(float(np.mean(ratios)), step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return float(np.mean(ratios)) if ratios else 1.0
     return run
 
 
@@ -137,9 +197,8 @@ def open_study(storage: str, name: str, seed: int):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for attempt in range(5):  # workers starting together race to create the tables and the study
         try:
-            study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True,
-                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=5,
-                                                                           n_warmup_steps=PRUNE_EVERY))
+            study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True,
+                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=5))
             break
         except (IntegrityError, optuna.exceptions.DuplicatedStudyError):
             if attempt == 4:
@@ -166,7 +225,7 @@ def tune(data: Data, storage: str, name: str, trials: int, seed: int):
     study = open_study(storage, name, seed)
     bar = tqdm(total=trials, initial=min(finished(study), trials), desc="trials", unit="trial", file=sys.stderr,
                leave=False)
-    run_trial = objective(data, seed)
+    run_trial = objective(data)
     while True:
         trial = study.ask()
         ahead = sum(t.number < trial.number and (t.state.name in FINISHED or t.state.name == "RUNNING")
@@ -183,49 +242,50 @@ def tune(data: Data, storage: str, name: str, trials: int, seed: int):
     return study
 
 
-def save_policy(path: Path, booster, sidecar: dict) -> None:
-    """Write the model and its sidecar, each atomically (temp file, then rename)."""
+def save_policy(path: Path, boosters: dict[str, tuple], sidecar: dict) -> None:
+    """Write each head's model, then the sidecar, each atomically (temp file, then rename):
+    the sidecar last, so a directory with a sidecar has its models."""
     path.mkdir(parents=True, exist_ok=True)
-    sidecar = {"format": FORMAT, "format_version": FORMAT_VERSION, "features": list(FEATURES), **sidecar}
+    sidecar = {"format": FORMAT, "format_version": FORMAT_VERSION, "features": list(ROUND_FEATURES),
+               "heads": sorted(boosters), **sidecar}
     missing = [k for k in SIDECAR_KEYS if k not in sidecar]
     if missing:
         raise ValueError(f"policy sidecar lacks {', '.join(missing)}")
-    for name, text in ((MODEL_FILE, booster.model_to_string()), (SIDECAR_FILE, json.dumps(sidecar, indent=1))):
+    files = [(head_file(d, head), b.model_to_string()) for d, pair in boosters.items() for head, b in zip(HEADS, pair)]
+    for name, text in files + [(SIDECAR_FILE, json.dumps(sidecar, indent=1))]:
         tmp = path / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(path / name)
+    for stale in path.glob("*.txt"):  # a format 1 policy's model, or a head this one lacks
+        if stale.name not in {name for name, _ in files}:
+            stale.unlink()
 
 
-def export(data: Data, study, out: Path, seed: int) -> dict:
-    """Refit the best trial on train and validation, measure it on test, write the policy."""
+def export(data: Data, study, out: Path) -> dict:
+    """Refit the best trial on train and validation (both passes), measure it on the test
+    families, write the policy."""
     best = study.best_trial
-    controller = controller_config(best.params["ewma_decay"], best.params["min_gain"])
-    splits = data.splits(controller)
-    kind = best.params["kind"]
-    params = {k: best.params[k] for k in ("num_leaves", "learning_rate", "min_data_in_leaf", "feature_fraction",
-                                          "lambda_l2")}
-    booster = train(kind, splits["train"] + splits["validation"], params, best.params["num_rounds"], seed)
-    test = splits["test"]
-    by_kind = {}
-    for trial_kind in KINDS:
-        values = [t.value for t in study.trials if t.value is not None and t.params.get("kind") == trial_kind]
-        by_kind[trial_kind] = min(values) if values else None
-    report = {"kind": kind, "best_trial": best.number, "validation_mean_regret": best.value,
-              "validation_mean_regret_by_kind": by_kind,
-              "test": asdict(metrics(test, *model_scores(kind, booster, test))),
-              "test_rakv": asdict(metrics(test, *analytic_scores(test), chosen_per_group=[g.analytic_choice for g in test])),
-              "num_requests": {s: len(splits[s]) for s in SPLITS},
-              "num_labels": {"measured": int(sum(g.measured.sum() for s in SPLITS for g in splits[s])),
-                             "simulated": int(sum((~g.measured).sum() for s in SPLITS for g in splits[s]))}}
-    traces = [trace for trace, _ in data.sources]
-    save_policy(out, booster, {
-        "kind": kind, "schema_version": SCHEMA_VERSION, "choices": [str(c) for c in test[0].choices] if test else [],
+    params = {k: best.params[k] for k in ("num_leaves", "learning_rate", "min_data_in_leaf", "lambda_l2")}
+    controller = controller_config(best.params["min_gain"], best.params["draft_confidence"])
+    first_pass, priors = with_priors(data.rows(None, ("train", "validation"), controller, data.draft_prior))
+    model = round_model(fit_heads(first_pass, params, best.params["num_rounds"], data.seed), priors)
+    second_pass = data.rows(model, ("train", "validation"), controller, data.draft_prior)
+    both = {d: DrafterRows.concat([first_pass[d], second_pass[d]]) for d in first_pass if d in second_pass}
+    boosters = fit_heads(both, params, best.params["num_rounds"], data.seed)
+    policy_file = in_memory(round_model(boosters, priors), controller, data.draft_prior)
+    test = data.families("test")
+    evaluations = [asdict(evaluate_trace(policy_file, trace, timing, test)) for trace, timing, _ in data.sources
+                   if subset(trace, test).requests]
+    report = {"best_trial": best.number, "validation_vs_rakv": best.value, "params": best.params, "test": evaluations,
+              "num_rows": {d: int(len(r.run)) for d, r in both.items()}}
+    traces = [trace for trace, _, _ in data.sources]
+    save_policy(out, boosters, {
+        "token_priors": token_priors_to_json({d: priors[d] for d in boosters}), "draft_prior": data.draft_prior, "schema_version": SCHEMA_VERSION,
         "hardware": [t.meta.hardware for t in traces],
         "models": [{"target": t.target_namespace, "draft": t.draft_namespace} for t in traces],
         "controller": settings_to_json(controller), "metrics": report,
-        "split": {"seed": seed, "by": "prefix family", "resample": data.resample,
-                  "traces": [str(t.path.name) for t in traces],
-                  "test_families": sorted({g.family for g in test})}})
+        "split": {"seed": data.seed, "by": "prefix family", "traces": [t.path.name for t in traces],
+                  "test_families": sorted(test)}})
     return report
 
 
@@ -233,20 +293,21 @@ def run(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
     start = time.perf_counter()
-    if args.resample < 0:
-        raise ValueError(f"--resample must be at least 0, got {args.resample}")
-    data = Data(args.trace, args.timing, args.seed, args.resample)
+    data = Data(args.trace, args.timing, args.seed)
     storage = args.storage or f"sqlite:///{args.out.parent.resolve() / (args.out.name + '.optuna.db')}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     study = tune(data, storage, args.study or args.out.name, args.trials, args.seed + args.worker)
-    print(f"study {study.study_name}: {finished(study)} trials; best mean validation regret "
-          f"{study.best_value:.4%} (trial {study.best_trial.number}, {study.best_trial.params['kind']})", file=sys.stderr)
+    print(f"study {study.study_name}: {finished(study)} trials; best validation tokens/s {study.best_value:.3f}x "
+          f"rakv's (trial {study.best_trial.number})", file=sys.stderr)
     if not args.no_export:
-        report = export(data, study, args.out, args.seed)
-        test = report["test"]
-        print(f"wrote {args.out}: test regret {test['mean_regret']:.4%} (p95 {test['p95_regret']:.4%}), "
-              f"choice accuracy {test['action_accuracy']:.1%}, Spearman {test['spearman']:.3f}; analytic rakv "
-              f"regret {report['test_rakv']['mean_regret']:.4%}; {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        report = export(data, study, args.out)
+        for e in report["test"]:
+            rates = e["tokens_per_s"]
+            captured = e["headroom_captured"]
+            print(f"wrote {args.out}: {e['trace']} test families ({e['num_requests']} requests): learned "
+                  f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}; "
+                  f"headroom captured {'n/a' if captured is None else f'{captured:.2f}'}", file=sys.stderr)
+        print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
 

@@ -36,9 +36,10 @@ class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, chea
 
 
 def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
-                   max_new_tokens: int) -> list[ReplayedRound]:
+                   max_new_tokens: int, tokens: Sequence[int] = ()) -> list[ReplayedRound]:
     """The speculation rounds of a request whose greedy output has ``num_output`` tokens,
-    as the engine makes them under ``planner`` (``rakv.rounds.PlannedRounds``), from each
+    as the engine makes them under ``planner`` (``rakv.rounds.PlannedRounds``; ``tokens``:
+    the request's prompt and output, for a planner that reads them), from each
     of its drafters' ``rakv.drafters.RunLengths`` (m_t, proposal length and signal at
     every t): a round from t with draft length k proposes min(k, proposal length) tokens
     and accepts min(k, m_t).
@@ -51,14 +52,15 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     if not planner.drafters:
         return []  # plain steps only, and nothing to observe
     # the draft cache's positions, which a replay does not need, are counted from the prompt's end
-    return walk(_RunLengthRounds(planner, lengths, num_output, max_new_tokens), 0)
+    return walk(_RunLengthRounds(planner, lengths, num_output, max_new_tokens, tokens), 0)
 
 
 class _RunLengthRounds(PlannedRounds):
     """A planner's rounds over a trace's run lengths (the target's plain steps need nothing)."""
 
-    def __init__(self, planner, lengths: Mapping[str, RunLengths], num_output: int, max_new_tokens: int):
-        super().__init__(planner, lengths, max_new_tokens, num_output)
+    def __init__(self, planner, lengths: Mapping[str, RunLengths], num_output: int, max_new_tokens: int,
+                 tokens: Sequence[int]):
+        super().__init__(planner, lengths, max_new_tokens, num_output, tokens)
         self._lists = {d: (lengths[d].proposed, lengths[d].runs) for d in planner.drafters}
         self._top1_probs = lengths[DRAFT_MODEL].top1_probs if DRAFT_MODEL in lengths else None
 

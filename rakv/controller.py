@@ -136,9 +136,17 @@ class CostModelPolicy:
         return [(cost, a.k, a.r, a) for cost, a in zip(costs, actions)]
 
     def planner(self, features: RequestFeatures, action: Action) -> AdaptiveRounds:
-        """Rounds re-planned from the request's own acceptance. Prompt lookup is always
-        ready (it needs no cache); the draft model only if the action prefilled it. Draft
-        lengths stay within the memory limit."""
+        """Rounds re-planned from the request's own acceptance, starting from the policy's
+        running estimates (``planner_setup``)."""
+        drafters, config, costs = self.planner_setup(features, action)
+        probe = DRAFT_MODEL if self._probing() and DRAFT_MODEL in drafters else None
+        return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance, costs, config, probe)
+
+    def planner_setup(self, features: RequestFeatures, action: Action) -> tuple[tuple[str, ...], PlannerConfig,
+                                                                                 RoundCosts]:
+        """(the drafters ready, the planner settings, the round costs) of an adaptive
+        request: prompt lookup is always ready (it needs no cache), the draft model only if
+        the action prefilled it; draft lengths stay within the memory limit."""
         ready = readied_drafters(action)
         max_k = self.config.rounds.max_k
         limit = self.config.memory_limit_bytes
@@ -149,9 +157,7 @@ class CostModelPolicy:
         if max_k != config.max_k:
             config = replace(config, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
-        probe = DRAFT_MODEL if self._probing() and DRAFT_MODEL in drafters else None
-        return AdaptiveRounds(drafters, self.signal_acceptance, self.acceptance,
-                              self.round_costs_at(drafters, config.max_k, decode_context(features)), config, probe)
+        return drafters, config, self.round_costs_at(drafters, config.max_k, decode_context(features))
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""

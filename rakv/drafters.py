@@ -56,6 +56,17 @@ def ngram_propose(seq: Sequence[int] | np.ndarray, k: int, config: NgramConfig =
 def ngram_match(seq: Sequence[int] | np.ndarray, k: int, config: NgramConfig = NgramConfig()) -> tuple[list[int], int]:
     """(``ngram_propose``'s proposal, the length n of the n-gram it matched; 0 if none).
     A longer match is a far better guess (``NGRAM_PRIOR_BY_ORDER``)."""
+    return ngram_lookup(seq, k, config)[:2]
+
+
+MAX_EXTENT = 64  # a match extended backwards is counted up to this many tokens
+
+
+def ngram_lookup(seq: Sequence[int] | np.ndarray, k: int,
+                 config: NgramConfig = NgramConfig()) -> tuple[list[int], int, int]:
+    """``ngram_match``'s (proposal, n), and the match extended backwards: how many tokens
+    before the proposal's start equal those at the sequence's end (n at least, at most
+    ``MAX_EXTENT``; 0 if no match). A match that extends far is a copy in progress."""
     tokens = np.asarray(seq, dtype=np.int64)
     length = len(tokens)
     for n in range(min(config.max_ngram, length - 1), config.min_ngram - 1, -1):
@@ -67,8 +78,11 @@ def ngram_match(seq: Sequence[int] | np.ndarray, k: int, config: NgramConfig = N
         starts = np.flatnonzero(match)
         if starts.size:
             begin = int(starts[-1]) + n
-            return tokens[begin:begin + k].tolist(), n
-    return [], 0
+            reach = min(begin, MAX_EXTENT)
+            before, end = tokens[begin - reach:begin][::-1], tokens[length - reach:][::-1]
+            differ = np.flatnonzero(before != end)
+            return tokens[begin:begin + k].tolist(), n, int(differ[0]) if differ.size else reach
+    return [], 0, 0
 
 
 class Drafter(Protocol):
@@ -93,13 +107,18 @@ class NgramDrafter:
     config: NgramConfig = NgramConfig()
     name: str = NGRAM
     max_k: int = 8  # proposal length computed per match (the engine's longest round); a longer k recomputes
-    _memo: tuple[int, list[int], int] = field(default=(-1, [], 0), init=False, repr=False)  # (length, proposal, n)
+    _memo: tuple[int, list[int], int, int] = field(default=(-1, [], 0, 0), init=False, repr=False)
+    # (length, proposal, n, extent)
 
     def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
         if self._memo[0] != len(seq) or k > self.max_k:
-            proposal, n = ngram_match(seq, max(k, self.max_k), self.config)
-            self._memo = (len(seq), proposal, n)
+            self._memo = (len(seq), *ngram_lookup(seq, max(k, self.max_k), self.config))
         return self._memo[1][:k], self._memo[2]
+
+    def extent(self, seq: list[int]) -> int:
+        """The match extended backwards (``ngram_lookup``)."""
+        self.match(seq, self.max_k)
+        return self._memo[3]
 
     def propose(self, seq: list[int], k: int) -> list[int]:
         return self.match(seq, k)[0]
@@ -129,6 +148,7 @@ class RunLengths:
     proposed: list[int]  # proposal length at t
     signals: list[int]  # Drafter.signal at t
     top1_probs: Sequence[float] | None = None  # a draft model's: its teacher-forced top-1 probability at t
+    extents: Sequence[int] | None = None  # prompt lookup's: its match at t extended backwards (``ngram_lookup``)
 
 
 def ngram_run_lengths(prompt_ids: list[int], output_ids: list[int], max_k: int,
@@ -136,10 +156,11 @@ def ngram_run_lengths(prompt_ids: list[int], output_ids: list[int], max_k: int,
     """Prompt lookup's run lengths over a greedy output."""
     seq = np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64)
     n = len(prompt_ids)
-    lengths, proposed, signals = [], [], []
+    lengths, proposed, signals, extents = [], [], [], []
     for t in range(len(output_ids)):
-        proposal, order = ngram_match(seq[:n + t], max_k, config)
+        proposal, order, extent = ngram_lookup(seq[:n + t], max_k, config)
         lengths.append(matching_prefix_length(proposal, output_ids[t:]))
         proposed.append(len(proposal))
         signals.append(order)
-    return RunLengths(lengths, proposed, signals)
+        extents.append(extent)
+    return RunLengths(lengths, proposed, signals, extents=extents)

@@ -182,8 +182,10 @@ class _ModelRounds(PlannedRounds):
     def __init__(self, planner, max_new_tokens: int, pair: ModelPair, target_cache: DynamicCache, drafters: dict,
                  seq: list[int], num_prompt: int, logits):
         self.eos = pair.eos_token_ids
-        self.lengths = {d: RunLengths(*([0] * max_new_tokens for _ in range(3))) for d in planner.drafters}
-        super().__init__(planner, self.lengths, max_new_tokens, 1 if seq[-1] in self.eos else max_new_tokens)
+        self.lengths = {d: RunLengths(*([0] * max_new_tokens for _ in range(3)),
+                                      extents=[0] * max_new_tokens if d == NGRAM else None) for d in planner.drafters}
+        # seq grows in place, so the planner reads the tokens known at each iteration
+        super().__init__(planner, self.lengths, max_new_tokens, 1 if seq[-1] in self.eos else max_new_tokens, seq)
         self.target, self.target_cache, self.drafters = pair.target, target_cache, drafters
         self.seq, self.num_prompt, self.logits = seq, num_prompt, logits
         self._proposals: dict[str, list[int]] = {}  # the shadowed drafters', at the current position
@@ -220,3 +222,5 @@ class _ModelRounds(PlannedRounds):
         for d in self.planner.shadowed:
             self._proposals[d] = drafters[d].propose(seq, self._shadow_length)
             self.lengths[d].proposed[t] = len(self._proposals[d])
+            if d == NGRAM:
+                self.lengths[d].extents[t] = drafters[d].extent(seq)

@@ -1,22 +1,28 @@
-"""The learned policy, live: the exported LightGBM model ranks every choice of a request
-in one ``Booster.predict`` call; the analytic ``rakv`` policy inside keeps the running
-acceptance estimates, makes the adaptive planners and is the fallback. Imports no torch.
+"""The learned policy, live: the analytic ``rakv`` policy decides each request (r, and
+whether to ready the draft model), and the learned round planner
+(``rakv.learned_rounds``) plans each of its rounds. Imports no torch, and no lightgbm: the
+models are compiled from their text (``rakv.trees``).
 
-A policy is a directory: ``model.txt`` (LightGBM's text format) and ``policy.json`` (the
-sidecar: format version, feature list, choices, model kind, the trace schema, the
-hardware and model fingerprints it was trained for, the controller settings it was tuned
-with, its training metrics and split). Never a pickle. ``load_policy`` checks both files;
-any problem is a one-line ``PolicyFileError``. ``policy.train`` writes the directory;
-``rakv.policies`` resolves a name to it, and falls back to the analytic controller with a
-warning (or fails under ``strict``) for a policy trained for other models.
+Why the request-level choice stays analytic: a learned per-request choice among 26 was
+worth a few percent at best and ran at 0.97x of ``rakv`` live; the headroom is in each
+round's drafter and k (the round oracle, ``simulator.round_oracle``).
+
+A policy is a directory: per drafter and head, a LightGBM text model
+``<drafter>.<head>.txt`` (``rakv.learned_rounds.HEADS``), and ``policy.json`` (the
+sidecar: format version, features, the heads it has, the token priors, the draft model's
+starting acceptance, the trace schema, the hardware and model fingerprints it was trained for, the
+controller settings it was tuned with, its metrics and split). Never a pickle.
+``load_policy`` checks every file; any problem is a one-line ``PolicyFileError``.
+``policy.train`` writes the directory; ``rakv.policies`` resolves a name to it, and falls
+back to the analytic controller with a warning (or fails under ``strict``) for a policy
+trained for other models.
 
 A learned policy runs with the controller settings it was tuned with (the sidecar's:
 ``LearnedPolicy.controller``), whatever the caller's are; only the memory limit, a
-property of the machine, is the caller's.
-
-What it decides: r, and either a fixed (drafter, k) for every round or the adaptive
-planner with or without the draft model readied (``rakv.choices``). What it leaves to the
-planner, when it picks an adaptive choice: each round's drafter and k.
+property of the machine, is the caller's. Its rounds start each request from fixed
+priors, not from the requests before (the model has learnt the pair's), so a request's
+rounds depend on the request alone, and a replay computes them once per request
+(``memo_key``).
 """
 from __future__ import annotations
 
@@ -24,19 +30,22 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
-from rakv.choices import Choice, all_choices
-from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome, make_planner
-from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes
-from rakv.learned_features import ANALYTIC_COLUMN, FEATURES, feature_rows
+from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome
+from rakv.cost_model import Action, PairTimings, RequestFeatures
+from rakv.drafters import DRAFTERS, NGRAM
+from rakv.learned_rounds import HEADS, ROUND_FEATURES, LearnedRounds, RoundModel, repeat_share
 from rakv.settings import settings_from_json
+from rakv.trees import compile_model
 
 FORMAT = "rakv-learned-policy"
-FORMAT_VERSION = 1
-MODEL_FILE, SIDECAR_FILE = "model.txt", "policy.json"  # policy.train writes them; the keys below are checked here
-SIDECAR_KEYS = ("format", "format_version", "kind", "features", "choices", "schema_version", "hardware", "models",
-                "controller", "metrics", "split")
+FORMAT_VERSION = 2  # 1: a per-request choice ranker (LightGBM over 26 choices)
+SIDECAR_FILE = "policy.json"
+SIDECAR_KEYS = ("format", "format_version", "features", "heads", "token_priors", "draft_prior", "schema_version",
+                "hardware", "models", "controller", "metrics", "split")
+
+
+def head_file(drafter: str, head: str) -> str:
+    return f"{drafter}.{head}.txt"
 
 
 class PolicyFileError(ValueError):
@@ -46,12 +55,8 @@ class PolicyFileError(ValueError):
 @dataclass(frozen=True)
 class PolicyFile:
     path: Path
-    booster: object  # lightgbm.Booster
+    model: RoundModel
     sidecar: dict
-
-    @property
-    def kind(self) -> str:
-        return self.sidecar["kind"]
 
     @property
     def controller(self) -> ControllerConfig:
@@ -65,66 +70,76 @@ class PolicyFile:
 def load_policy(path: str | Path) -> PolicyFile:
     path = Path(path)
     if not path.is_dir():
-        raise PolicyFileError(f"{path}: no such policy directory (it holds {MODEL_FILE} and {SIDECAR_FILE})")
+        raise PolicyFileError(f"{path}: no such policy directory (it holds {SIDECAR_FILE} and the round models)")
+    sidecar_path = path / SIDECAR_FILE
     try:
-        sidecar = json.loads((path / SIDECAR_FILE).read_text())
+        sidecar = json.loads(sidecar_path.read_text())
     except FileNotFoundError:
         raise PolicyFileError(f"{path}: no {SIDECAR_FILE}") from None
     except (OSError, ValueError) as exc:
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: not valid JSON ({exc})") from None
+        raise PolicyFileError(f"{sidecar_path}: not valid JSON ({exc})") from None
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: not a {FORMAT} sidecar")
+        raise PolicyFileError(f"{sidecar_path}: not a {FORMAT} sidecar")
     if sidecar.get("format_version") != FORMAT_VERSION:
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: format version {sidecar.get('format_version')}, "
-                              f"this version reads {FORMAT_VERSION}")
+        raise PolicyFileError(f"{sidecar_path}: format version {sidecar.get('format_version')}, this version reads "
+                              f"{FORMAT_VERSION}: retrain it (python -m policy.train)")
     missing = [k for k in SIDECAR_KEYS if k not in sidecar]
     if missing:
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: lacks {', '.join(missing)}")
-    if sidecar["features"] != list(FEATURES):
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: trained on other features than this version computes")
-    if sidecar["kind"] not in ("regression", "lambdarank"):
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: unknown model kind {sidecar['kind']!r}")
-    offered = {str(c) for c in all_choices(True)}
-    unknown = [c for c in sidecar["choices"] if c not in offered]
-    if unknown:  # the choices are named as rakv.choices names them; a renamed one would be ranked as another
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: trained on choices this version does not offer: {unknown[0]}")
+        raise PolicyFileError(f"{sidecar_path}: lacks {', '.join(missing)}")
+    if sidecar["features"] != list(ROUND_FEATURES):
+        raise PolicyFileError(f"{sidecar_path}: trained on other features than this version computes")
+    heads = sidecar["heads"]
+    if not isinstance(heads, list) or any(d not in DRAFTERS for d in heads):  # none: the EWMA plans every round
+        raise PolicyFileError(f"{sidecar_path}: 'heads' must list drafters among {', '.join(DRAFTERS)}")
     try:
         settings_from_json(ControllerConfig, sidecar["controller"])
+        draft_prior = float(sidecar["draft_prior"])
     except (TypeError, ValueError) as exc:
-        raise PolicyFileError(f"{path / SIDECAR_FILE}: bad controller settings ({exc})") from None
-    import lightgbm as lgb
+        raise PolicyFileError(f"{sidecar_path}: bad controller settings or draft prior ({exc})") from None
+    compiled = {}
+    for drafter in heads:
+        pair = []
+        for head in HEADS:
+            file = path / head_file(drafter, head)
+            try:
+                pair.append(compile_model(file.read_text(), len(ROUND_FEATURES)))
+            except FileNotFoundError:
+                raise PolicyFileError(f"{path}: no {file.name}") from None
+            except (OSError, ValueError, KeyError, IndexError, SyntaxError) as exc:
+                raise PolicyFileError(f"{file}: not a LightGBM text model of {len(ROUND_FEATURES)} features "
+                                      f"(truncated or corrupt): {exc}") from None
+        compiled[drafter] = tuple(pair)
+    if not 0 <= draft_prior <= 1:
+        raise PolicyFileError(f"{sidecar_path}: draft_prior must be in [0, 1], got {draft_prior}")
+    return PolicyFile(path, RoundModel(compiled, token_priors_from_json(sidecar["token_priors"], sidecar_path)),
+                      sidecar)
+
+
+def token_priors_to_json(priors: dict) -> dict:
+    return {d: {"default": default, "by_token": {str(token): p for token, p in sorted(table.items())}}
+            for d, (table, default) in priors.items()}
+
+
+def token_priors_from_json(found, sidecar_path: Path) -> dict:
     try:
-        text = (path / MODEL_FILE).read_text()
-        booster = lgb.Booster(model_str=text)
-    except FileNotFoundError:
-        raise PolicyFileError(f"{path}: no {MODEL_FILE}") from None
-    except (OSError, ValueError, lgb.basic.LightGBMError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PolicyFileError(f"{path / MODEL_FILE}: not a LightGBM text model (truncated or corrupt): {first}") from None
-    if booster.num_feature() != len(FEATURES):
-        raise PolicyFileError(f"{path / MODEL_FILE}: has {booster.num_feature()} features, the sidecar {len(FEATURES)}")
-    return PolicyFile(path, booster, sidecar)
-
-
-def scores(kind: str, outputs: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The model's outputs for one request's choices as scores, lower better: the log
-    predicted cost (regression: the analytic price corrected), or minus the rank score."""
-    return outputs + rows[:, ANALYTIC_COLUMN] if kind == "regression" else -outputs
+        return {d: ({int(token): float(p) for token, p in entry["by_token"].items()}, float(entry["default"]))
+                for d, entry in found.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise PolicyFileError(f"{sidecar_path}: bad token_priors ({exc!r})") from None
 
 
 class LearnedPolicy:
-    """Ranks every choice with the model; plans adaptive rounds and keeps estimates with the
-    analytic policy inside it, which runs the sidecar's controller settings (the features
-    and the planners were tuned with them) under the caller's memory limit."""
+    """The analytic policy's request-level decisions (under the sidecar's controller
+    settings and the caller's memory limit) and the learned round planner."""
 
     name = "learned"
 
     def __init__(self, policy_file: PolicyFile, timings: PairTimings, memory_limit_bytes: int | None = None):
         self.file = policy_file
         self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes))
-        self.choices = all_choices(timings.draft is not None)
-        self.kind = policy_file.kind
-        self._choice: Choice | None = None
+        # where each request's rounds start, whatever the requests before did
+        self.start = {d: float(policy_file.sidecar["draft_prior"]) if d != NGRAM else timings.prior(NGRAM)
+                      for d in self.analytic.drafters}
 
     @property
     def controller(self) -> ControllerConfig:
@@ -136,23 +151,12 @@ class LearnedPolicy:
         return self.analytic.acceptance
 
     def decide(self, features: RequestFeatures) -> Action:
-        rows = feature_rows(features, self.analytic, self.choices)  # [choices, features]
-        outputs = self.file.booster.predict(rows)  # every choice in one call
-        ranked = scores(self.kind, outputs, rows)
-        limit = self.controller.memory_limit_bytes
-        if limit is not None:  # choices whose working KV would not fit are out
-            fits = [action_bytes(c.action, features, self.analytic.timings) <= limit for c in self.choices]
-            if not any(fits):
-                raise ValueError(f"no action fits the memory limit of {limit} bytes for a "
-                                 f"{features.num_prompt_tokens}-token prompt")
-            ranked = np.where(fits, ranked, np.inf)
-        self._choice = self.choices[int(np.argmin(ranked))]
-        return self._choice.action
+        return self.analytic.decide(features)
 
-    def planner(self, features: RequestFeatures, action: Action):
-        if self._choice is None or self._choice.action != action:
-            raise ValueError("the learned policy plans only the action it decided")
-        return make_planner(self._choice, features, self.analytic)
+    def planner(self, features: RequestFeatures, action: Action) -> LearnedRounds:
+        drafters, config, costs = self.analytic.planner_setup(features, action)
+        return LearnedRounds(drafters, {}, self.start, costs, config, self.file.model, features.num_prompt_tokens,
+                             features.num_new_tokens, repeat_share(features.prompt_ids, 3))
 
     def observe(self, outcome: RequestOutcome) -> None:
         self.analytic.observe(outcome)

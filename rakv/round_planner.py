@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
-from rakv.drafters import DRAFT_MODEL, NGRAM, ngram_prior
+from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths, ngram_prior
 
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
 
@@ -79,7 +79,15 @@ class FixedRounds:
         self.drafters = (drafter,) if k > 0 else ()
         self._counts = _Counts()
 
-    def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
+    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+        pass
+
+    @property
+    def memo_key(self) -> tuple:
+        """Its rounds depend on the request alone: a replay computes them once per request."""
+        return (self.drafter, self.k)
+
+    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
         return self.drafter, self.k
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
@@ -139,22 +147,43 @@ def stopped_rounds(acceptance: float, stop_right: float, stop_wrong: float, cost
     """([E_0, ..., E_max_k], [cost_0, ..., cost_max_k]) of draft-model rounds capped at k
     whose proposal stops after a token the draft is unsure of: after a right token with
     probability ``stop_right``, after a wrong one with ``stop_wrong`` (a useful threshold
-    stops mostly wrong ones). With a the per-token acceptance, a token is kept and drafting
-    goes on with g = a (1 - stop_right), and drafting goes on at all with
-    c = g + (1 - a)(1 - stop_wrong); so E_k = 1 + a sum_{j<k} g^j, and the round drafts
-    D_k = sum_{j<k} c^j tokens, costing ``costs_s`` (per whole k) interpolated at D_k.
-    With no stops these are ``progress_by_k`` and ``costs_s``."""
-    a = min(max(acceptance, 0.0), 1.0)
-    kept_going = a * (1.0 - stop_right)
-    going = kept_going + (1.0 - a) * (1.0 - stop_wrong)
+    stops mostly wrong ones), each token right with probability a
+    (``run_rounds`` with P(m >= j) = a^j)."""
+    return run_rounds(acceptance, acceptance, stop_right, stop_wrong, costs_s, max_k)
+
+
+def run_rounds(first: float, further: float, stop_right: float, stop_wrong: float, costs_s: Sequence[float],
+               max_k: int) -> tuple[list[float], list[float]]:
+    """([E_0, ..., E_max_k], [cost_0, ..., cost_max_k]) of rounds capped at k whose run
+    length has P(m >= 1) = ``first`` and P(m >= j + 1 | m >= j) = ``further``, the proposal
+    stopping after a right token with probability ``stop_right`` and after a wrong one with
+    ``stop_wrong`` (both 0: no stops). Token j is kept, and drafting goes on, with
+    g_j = a_j (1 - stop_right), a_0 = first and a_j = further after; drafting goes on at all
+    with c_j = g_j + (1 - a_j)(1 - stop_wrong). So E_k = 1 + sum_{j<k} a_j prod_{i<j} g_i,
+    and the round drafts D_k = sum_{j<k} prod_{i<j} c_i tokens, costing ``costs_s`` (per
+    whole k) interpolated at D_k. With no stops and first = further these are
+    ``progress_by_k`` and ``costs_s``."""
+    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
+    if stop_right == 0.0 and stop_wrong == 0.0:  # every round drafts its k: the costs are costs_s
+        progress, kept, reach = [1.0], 1.0, a
+        for _ in range(max_k):
+            kept += reach
+            reach *= further
+            progress.append(kept)
+        return progress, list(costs_s[:max_k + 1])
+    keep_right, keep_wrong = 1.0 - stop_right, 1.0 - stop_wrong
     progress, costs = [1.0], [costs_s[0]]
     kept = drafted = 0.0
-    for j in range(max_k):
-        kept += a * kept_going ** j
-        drafted += going ** j
-        whole = min(int(drafted), max_k)
-        upper = costs_s[min(whole + 1, max_k)]
-        costs.append(costs_s[whole] + (drafted - whole) * (upper - costs_s[whole]))
+    reach_kept = reach_drafted = 1.0  # prod_{i<j} g_i and prod_{i<j} c_i
+    for _ in range(max_k):  # the planners' hot path: every drafter, every iteration
+        kept += a * reach_kept
+        drafted += reach_drafted
+        reach_kept *= a * keep_right
+        reach_drafted *= a * keep_right + (1.0 - a) * keep_wrong
+        a = further
+        whole = int(drafted)  # drafted <= j + 1 <= max_k
+        low = costs_s[whole]
+        costs.append(low if whole >= max_k else low + (drafted - whole) * (costs_s[whole + 1] - low))
         progress.append(1.0 + kept)
     return progress, costs
 
@@ -257,7 +286,12 @@ class AdaptiveRounds:
             return self.acceptance[drafter, signal]
         return initial_estimate(drafter, signal, self.fallback[drafter])
 
-    def plan(self, signals: Mapping[str, int]) -> tuple[str, int]:
+    memo_key = None  # its rounds start from the policy's running estimates: not the request's alone
+
+    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+        pass  # the signals are all it reads
+
+    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
         if self._probe is not None:
             drafter, self._probe = self._probe, None
             progress, costs = self._priced(drafter, signals[drafter])

@@ -108,13 +108,15 @@ class RecordedRounds:
 class PlannedRounds:
     """The moves ``planner`` makes, up to ``max_new_tokens`` new tokens, over its drafters'
     ``lengths`` (``rakv.drafters.RunLengths``, one per drafter the planner readies): before
-    each iteration it is given their signals at t and plans (drafter, k); k is clipped so a
+    each iteration it is given their signals and t and plans (drafter, k); k is clipped so a
     round never drafts past max_new_tokens (its own target token included), and 0 is a
     plain step. After a round it is told what was proposed and accepted (and, when the
     draft model stops on confidence, its probabilities of the tokens the round covers);
     after every iteration, how much of each shadowed drafter's proposal at t (its first
     ``planner.shadow_length`` tokens) the appended tokens confirm, unless that drafter
-    drafted the round.
+    drafted the round. The planner is bound to ``lengths`` and ``tokens`` first (``bind``;
+    ``tokens``: the sequence, prompt first, n + t tokens of it known at t): one that reads
+    more than the signals reads them there, at t, before its iteration.
 
     A subclass makes the steps and rounds, keeps ``lengths`` ahead of the walk (a trace's
     are whole; the engine's are filled in as its output grows: signals and proposal
@@ -129,11 +131,13 @@ class PlannedRounds:
       proposed token (confidence stops only, else empty).
     """
 
-    def __init__(self, planner, lengths: Mapping[str, RunLengths], max_new_tokens: int, end: int):
+    def __init__(self, planner, lengths: Mapping[str, RunLengths], max_new_tokens: int, end: int,
+                 tokens: Sequence[int] = ()):
         self.planner = planner
         self.end = end
         self.max_new_tokens = max_new_tokens
         self._plan, self._observe = planner.plan, planner.observe  # called on every iteration
+        planner.bind(lengths, tokens)
         # read by position, as lists: this is the simulator's hot path
         self._signal_lists = [(d, lengths[d].signals) for d in planner.drafters]
         self._shadow_lists = [(d, lengths[d].proposed, lengths[d].runs) for d in planner.shadowed]
@@ -152,7 +156,7 @@ class PlannedRounds:
         # From max_new_tokens - 1 on a round could draft nothing, and the planner is not
         # asked (its choice would not matter).
         max_k = self.max_new_tokens - t - 1
-        drafter, k = self._plan(signals) if max_k > 0 else _NO_PLAN
+        drafter, k = self._plan(signals, t) if max_k > 0 else _NO_PLAN
         if k > max_k:
             k = max_k
         if k > 0:

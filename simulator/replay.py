@@ -202,6 +202,22 @@ def markdown(summaries: list[PolicySummary], title: str) -> str:
     return "\n".join(lines)
 
 
+def gap_line(summaries: list[PolicySummary]) -> str | None:
+    """One line on what separates ``rakv`` from the round oracle, and how much of it the
+    learned policy takes; None unless both are in the replay."""
+    by_name = {s.policy: s for s in summaries}
+    if ADAPTIVE_NAME not in by_name or ROUND_ORACLE not in by_name:
+        return None
+    rakv, best = by_name[ADAPTIVE_NAME].tokens_per_s, by_name[ROUND_ORACLE].tokens_per_s
+    line = (f"The round oracle ({best:.2f} tok/s) knows each round's run length before drafting, so it never drafts "
+            f"a token the target rejects; rakv ({rakv:.2f}) is {best / rakv - 1:.0%} behind it")
+    learned = next((s for s in summaries if s.policy.startswith(LEARNED)), None)
+    if learned is not None and best > rakv:
+        line += (f", and the learned round planner ({learned.tokens_per_s:.2f}) takes "
+                 f"{(learned.tokens_per_s - rakv) / (best - rakv):.0%} of that gap")
+    return line + "."
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m simulator.replay",
@@ -292,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
         lines += [f"{s.policy}: its own controller settings, {', '.join(differences(s.settings, used))}"
                   for s in summaries if s.settings != used]
         print(markdown(summaries, "\n".join(lines)))
+        gap = gap_line(summaries)
+        if gap is not None:
+            print("\n" + gap)
     if args.plot is not None:
         from simulator.plots import write_plots
         for path in write_plots(args.plot, results, timing, trace):

@@ -20,7 +20,6 @@ from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.round_planner import FixedRounds
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
 from simulator.trace import RecordedRequest, Trace
@@ -74,7 +73,7 @@ class Session:
         self.policy = policy
         self.inputs = inputs
         self.store = StoreModel(inputs.engine.store)
-        self._fixed_memo: dict[tuple, tuple[FixedRounds, tuple[ReplayedRound, ...]]] = {}
+        self._memo: dict[tuple, tuple[object, tuple[ReplayedRound, ...]]] = {}  # (planner, rounds) by key
         self.target_namespace, self.draft_namespace = target_namespace, draft_namespace
 
     @classmethod
@@ -113,13 +112,13 @@ class Session:
     def rounds(self, request: RecordedRequest, features: RequestFeatures,
                planner) -> tuple[object, tuple[ReplayedRound, ...]]:
         """The request's rounds under ``planner``, and the planner after observing them. A
-        fixed planner's rounds depend on the request and its cap alone: they are replayed
-        once per request, cap and (drafter, k)."""
-        if isinstance(planner, FixedRounds):
-            key = (request.request_id, planner.drafter, planner.k, features.num_new_tokens)
-            if key not in self._fixed_memo:
-                self._fixed_memo[key] = (planner, self._replay(request, features, planner))
-            return self._fixed_memo[key]
+        planner whose rounds depend on the request and its cap alone (a ``memo_key``: a fixed
+        one, a learned one) is replayed once per request, cap and key."""
+        if planner.memo_key is not None:
+            key = (request.request_id, planner.memo_key, features.num_new_tokens)
+            if key not in self._memo:
+                self._memo[key] = (planner, self._replay(request, features, planner))
+            return self._memo[key]
         return planner, self._replay(request, features, planner)
 
     def _replay(self, request: RecordedRequest, features: RequestFeatures, planner) -> tuple[ReplayedRound, ...]:
@@ -134,7 +133,8 @@ class Session:
                                "cannot replay: re-record the trace (scripts/record_traces.sh), or "
                                "--set planner.draft_confidence=0")
         max_new = features.num_new_tokens
-        return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new))
+        return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new,
+                                    request.token_ids))
 
 
 def output_length(request: RecordedRequest, max_new: int) -> int:

@@ -4,24 +4,30 @@ learned policy live in the engine and in the simulator, one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import hf_greedy
-from policy.dataset import build_groups, split_families
 from policy.evaluate import main as evaluate_main
-from policy.model import model_scores
+from policy.round_data import collect, further_target, planner_for, split_families
 from policy.train import main as train_main
 from profiler.record import main as record
-from rakv.choices import all_choices
+from rakv.acceptance import comparable_rounds, replay_request
+from rakv.controller import ControllerConfig
+from rakv.cost_model import Action
 from rakv.learned import LearnedPolicy, PolicyFileError, load_policy
+from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
+from rakv.settings import Settings
+from simulator.session import Session
 from simulator.replay import main as replay_main
 from simulator.timing import load_timing
 from simulator.trace import load_trace
@@ -44,32 +50,44 @@ def trained(trace, tmp_path_factory):
     return out
 
 
-def test_groups_label_every_choice_and_families_stay_together(trace):
+def test_round_rows_label_every_decision_point_and_families_stay_together(trace):
     loaded = load_trace(trace)
-    groups = build_groups(loaded, load_timing(trace, loaded))
-    assert len(groups) == 20 and all(len(g.choices) == len(all_choices(True)) == 26 for g in groups)
-    assert all(np.all(g.cost_s > 0) and g.rows.shape == (26, len(g.rows[0])) for g in groups)
-    assert sum(g.measured.sum() for g in groups) > 0  # fixed policies' recorded runs label their choices
-    splits = split_families(groups)
-    families = [{g.family for g in split} for split in splits.values()]
-    assert all(not a & b for i, a in enumerate(families) for b in families[i + 1:])
-    assert all(splits[s] for s in splits) and sum(len(v) for v in splits.values()) == 20
+    inputs = load_timing(None, loaded).decision_inputs(loaded, Settings())
+    rows = collect(loaded, inputs, ControllerConfig(), 0.5)
+    assert set(rows) == {"draft", "ngram"}
+    for drafter, r in rows.items():
+        assert r.x.shape == (len(r.run), len(ROUND_FEATURES)) and len(r.run) > 20
+        assert np.all((0 <= r.run) & (r.run <= r.cap)) and np.all(r.cap <= 16)
+        keep, share, weight = further_target(r)
+        assert np.all((0 <= share) & (share <= 1)) and np.all(weight >= 1) and keep.sum() <= (r.run >= 1).sum()
+    request = loaded.requests[0]  # a label is the run length at the decision point, from the trace
+    log = []
+    replay_request(planner_for(inputs, ControllerConfig(), request, 0.5, None, log), request.lengths,
+                   len(request.output_ids), request.max_new_tokens)
+    assert [t for t, d, _ in log if d == "draft"][0] == 1
+    counts = {}
+    for r in loaded.requests:
+        counts[f"x/{r.group_id}"] = counts.get(f"x/{r.group_id}", 0) + 1
+    split = split_families(counts)
+    assert set(split.values()) == {"train", "validation", "test"} and set(split) == set(counts)
 
 
-def test_export_is_text_and_json_and_decides_as_in_memory(trained, trace):
-    assert (trained / "model.txt").read_text().startswith("tree")
+def test_export_is_text_and_json_and_compiled_as_lightgbm_predicts(trained, trace):
     sidecar = json.loads((trained / "policy.json").read_text())
-    for key in ("features", "schema_version", "hardware", "models", "controller", "metrics", "split"):
+    for key in ("features", "heads", "draft_prior", "schema_version", "hardware", "models", "controller", "metrics",
+                "split"):
         assert key in sidecar
-    assert set(sidecar["controller"]) >= {"ewma_decay", "rounds"} and sidecar["split"]["by"] == "prefix family"
+    assert sidecar["heads"] and sidecar["split"]["by"] == "prefix family"
+    import lightgbm as lgb
     policy = load_policy(trained)
     loaded = load_trace(trace)
-    groups = build_groups(loaded, load_timing(trace, loaded), policy.controller)
-    import lightgbm as lgb
-    reloaded = lgb.Booster(model_str=policy.booster.model_to_string())
-    first, second = model_scores(policy.kind, policy.booster, groups)[0], model_scores(policy.kind, reloaded, groups)[0]
-    assert [int(np.argmin(a)) for a in first] == [int(np.argmin(b)) for b in second]
-    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    rows = collect(loaded, load_timing(None, loaded).decision_inputs(loaded, Settings()), policy.controller, 0.5)
+    for drafter in sidecar["heads"]:
+        for head, compiled in zip(HEADS, policy.model.heads[drafter]):
+            text = (trained / f"{drafter}.{head}.txt").read_text()
+            assert text.startswith("tree")
+            want = lgb.Booster(model_str=text).predict(rows[drafter].x, raw_score=True)
+            assert [compiled(*x) for x in rows[drafter].x] == list(want)  # bit for bit
 
 
 def test_tuning_resumes_from_its_storage(trace, tmp_path):
@@ -79,7 +97,7 @@ def test_tuning_resumes_from_its_storage(trace, tmp_path):
     assert train_main(["--trace", str(trace), "--out", str(out), "--trials", "4"]) == 0
     study = optuna.load_study(study_name="p", storage=f"sqlite:///{tmp_path / 'p.optuna.db'}")
     done = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
-    assert len(done) == 4 and (out / "model.txt").is_file()
+    assert len(done) == 4 and (out / "policy.json").is_file()
 
 
 def _postgres_bin() -> Path:
@@ -140,30 +158,81 @@ def test_learned_policy_in_the_simulator_and_its_fallback(trained, trace, capsys
         assert "trained for other models" in capsys.readouterr().err
 
 
-def test_learned_policy_live_is_greedy(trained, tiny_pair):
+class _Drafting(LearnedPolicy):
+    """Readies the draft model on every request, and plans with a model that answers every
+    feature (the tiny pair's drafters rarely agree, so a trained one never drafts)."""
+
+    def __init__(self, policy_file, timings):
+        super().__init__(policy_file, timings)
+        at = {name: i for i, name in enumerate(ROUND_FEATURES)}
+
+        def first(*x):
+            return 3.0 * math.sin(x[at["position"]] + 1.3 * x[at["last_accepted"]] + 0.7 * x[at["extent"]]
+                                  + 2.0 * x[at["draft_prob"]] + 0.5 * x[at["trials"]] + x[at["estimate"]]
+                                  + x[at["since_last"]] + x[at["recent_2"]] + x[at["confidence"]]) + 1.0
+
+        def further(*x):
+            return math.cos(x[at["proposed"]] + x[at["tokens_left"]] + x[at["signal"]] + x[at["prompt_repeat"]])
+
+        self.file = replace(policy_file, model=RoundModel({"draft": (first, further), "ngram": (first, further)}))
+
+    def decide(self, features):
+        return Action(0, 1, "draft")
+
+
+def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, trace, tiny_pair):
     from rakv.calibrate import load_or_calibrate
     from rakv.engine import Engine
-    policy = LearnedPolicy(load_policy(trained), load_or_calibrate(tiny_pair))
-    engine = Engine(tiny_pair, policy)
-    prompts = [tiny_pair.encode(t) for t in ("User: what is a cache?\nAssistant:", "User: what is a cache?\nAssistant: it")]
-    for prompt in prompts:
-        assert list(engine.generate(prompt, 10).output_ids) == hf_greedy(tiny_pair, prompt, 10)
+    loaded = load_trace(trace)
+    timings = load_or_calibrate(tiny_pair)
+    engine = Engine(tiny_pair, _Drafting(load_policy(trained), timings), loaded.inputs.engine)
+    inputs = replace(loaded.inputs.with_settings(Settings()), timings=timings)
+    session = Session(_Drafting(load_policy(trained), timings), inputs, loaded.target_namespace,
+                      loaded.draft_namespace)
+    drafted = set()
+    for request in loaded.requests[:8]:
+        live = engine.generate(list(request.prompt_ids), request.max_new_tokens)
+        assert list(live.output_ids) == hf_greedy(tiny_pair, list(request.prompt_ids), request.max_new_tokens)
+        replayed = session.run(request, request.max_new_tokens)
+        recorded, ours = comparable_rounds([(r.start, r.drafter, r.k, r.num_proposed, r.accepted) for r in live.rounds],
+                                           replayed.rounds)
+        assert recorded == ours
+        drafted |= {(r[1], r[2]) for r in ours}
+    assert len(drafted) >= 4  # rounds of both drafters, of several lengths
+
+
+def test_learned_policy_runs_live(trained, tiny_pair):
+    from rakv.calibrate import load_or_calibrate
+    from rakv.engine import Engine
+    engine = Engine(tiny_pair, LearnedPolicy(load_policy(trained), load_or_calibrate(tiny_pair)))
+    prompt = tiny_pair.encode("User: what is a cache?\nAssistant:")
+    assert list(engine.generate(prompt, 10).output_ids) == hf_greedy(tiny_pair, prompt, 10)
 
 
 def test_evaluate_reports_every_metric(trained, trace, capsys):
     assert evaluate_main(["--policy", str(trained), "--trace", str(trace), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for key in ("spearman", "mean_regret", "p95_regret", "k_accuracy", "action_accuracy", "mape"):
-        assert key in report
-    assert {"rakv", "oracle"} <= set(report["baselines"]) and report["baselines"]["oracle"]["mean_regret"] == 0
+    assert set(report["tokens_per_s"]) == {"learned", "rakv", "oracle", "round-oracle"}
+    assert report["tokens_per_s"]["round-oracle"] >= max(report["tokens_per_s"][k] for k in ("learned", "rakv"))
+    assert "headroom_captured" in report and set(report["prediction"]) <= {"draft", "ngram"}
+    for p in report["prediction"].values():
+        assert {"auc", "brier", "ewma_auc", "ewma_brier"} <= set(p)
+    assert {"spearman", "mean_regret", "action_accuracy", "k_accuracy", "mape"} <= set(report["paper_actions"])
+
+
+def _head(policy_dir: Path) -> Path:
+    return sorted(policy_dir.glob("*.first.txt"))[0]
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: (d / "model.txt").write_text((d / "model.txt").read_text()[:200]), "not a LightGBM text model"),
+    (lambda d: _head(d).write_text(_head(d).read_text()[:300]), "not a LightGBM text model"),
+    (lambda d: _head(d).write_text(_head(d).read_text().replace("end of trees", "")), "truncated"),
     (lambda d: (d / "policy.json").write_text("{not json"), "not valid JSON"),
-    (lambda d: (d / "model.txt").unlink(), "no model.txt"),
+    (lambda d: _head(d).unlink(), ".first.txt"),
     (lambda d: (d / "policy.json").write_text(json.dumps({"format": "rakv-learned-policy", "format_version": 1})),
-     "lacks kind"),
+     "format version 1"),
+    (lambda d: (d / "policy.json").write_text(json.dumps({"format": "rakv-learned-policy", "format_version": 2})),
+     "lacks features"),
 ])
 def test_damaged_policy_is_one_line(trained, tmp_path, capsys, damage, message):
     copy = tmp_path / "copy"

@@ -1,0 +1,184 @@
+"""The learned round planner: at each round start, for each ready drafter, LightGBM predicts
+the distribution of the run length m from what is known at that moment, and the round
+with the most expected tokens per second is taken. Imports no torch.
+
+The distribution: P(m >= 1) = p1 (the first drafted token is right) and
+P(m >= j + 1 | m >= j) = q after it, so P(m >= j) = p1 q^(j - 1). Two binary models per
+drafter give them (``first`` and ``further``): after a 3-gram match prompt lookup's first
+token is right most of the time and its runs are long (q high), after a 1-gram match
+rarely; a draft model's p1 follows what it just did.
+
+The features (``ROUND_FEATURES``), per drafter at output position t:
+- ``signal`` (prompt lookup's matched n-gram order; 0 for a draft model), ``proposed``
+  (prompt lookup's proposal length) and ``extent`` (its match extended backwards);
+- ``position`` and ``tokens_left``;
+- the request's own running counts, the EWMA part: the planner's per-(drafter, signal)
+  acceptance estimate (``AdaptiveRounds``, started from fixed priors, not from other
+  requests, so a request's rounds depend on the request alone), its trials, the drafter's
+  rate so far;
+- the recent rounds: what the drafter's last proposal had accepted, whether all of it,
+  how long ago, and the last three outcomes;
+- ``prompt_repeat``: how repetitive the prompt is (the share of its 3-grams seen before);
+- the draft model's: its mean probability over its last round's verified tokens, and the
+  request's confidence threshold (a round stops after a token below it);
+- ``token_prior``: how often the drafter's first token was right after the sequence's last
+  token, in the training data (a table per drafter, smoothed towards its mean): after some
+  tokens (an opening bracket, a newline in code) the draft agrees far more often.
+
+All are functions of the tokens, the run lengths, the signals and the probabilities a
+trace stores (up to each round's first wrong token, as the engine computed them), so the
+learned planner's rounds replay exactly. The EWMA part is also the fallback: without a
+model for a drafter, ``AdaptiveRounds``' estimate prices its rounds.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
+from rakv.trees import sigmoid
+
+ROUND_FEATURES = ("signal", "proposed", "extent", "position", "tokens_left", "estimate", "trials", "drafter_rate",
+                  "last_accepted", "last_full", "since_last", "recent_1", "recent_2", "recent_3", "prompt_repeat",
+                  "draft_prob", "confidence", "token_prior")
+HEADS = ("first", "further")  # P(m >= 1); P(m >= j + 1 | m >= j)
+NONE = -1.0  # a feature with nothing to report yet
+
+
+def repeat_share(prompt_ids: Sequence[int] | np.ndarray, n: int) -> float:
+    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it."""
+    count = len(prompt_ids) - n + 1
+    if count <= 1:
+        return 0.0
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    shift = 63 // n  # each id in its own bits: n-grams of ids below 2^21 (every tokenizer's) code uniquely
+    codes = ids[:count] << (shift * (n - 1))
+    for j in range(1, n):
+        codes = codes | (ids[j:count + j] << (shift * (n - 1 - j)))
+    return 1.0 - len(np.unique(codes)) / count
+
+
+TokenPrior = tuple[Mapping[int, float], float]  # P(m >= 1) by the last token, and for a token not in it
+
+
+class RoundModel:
+    """Per drafter, the two heads as compiled functions of ``ROUND_FEATURES`` (raw scores),
+    and the token priors they were trained with."""
+
+    def __init__(self, heads: Mapping[str, tuple[Callable[..., float], Callable[..., float]]],
+                 token_priors: Mapping[str, TokenPrior] | None = None):
+        self.heads = dict(heads)
+        self.token_priors = dict(token_priors or {})
+
+    def predict(self, drafter: str, row: Sequence[float]) -> tuple[float, float]:
+        first, further = self.heads[drafter]
+        return sigmoid(first(*row)), sigmoid(further(*row))
+
+
+class _History:
+    """One drafter's outcomes in one request, for the recent-rounds features."""
+
+    __slots__ = ("successes", "trials", "last_t", "last_accepted", "last_full", "recent")
+
+    def __init__(self):
+        self.successes = self.trials = 0
+        self.last_t, self.last_accepted, self.last_full = -1, NONE, NONE
+        self.recent = [NONE, NONE, NONE]  # accepted, newest first
+
+
+class LearnedRounds(AdaptiveRounds):
+    """``AdaptiveRounds`` whose rounds are priced by the round model's run-length
+    distribution (``run_rounds``) instead of a geometric one from the EWMA estimate. With
+    ``model`` None it plans as ``AdaptiveRounds`` and, with ``log`` given, appends every
+    decision's (t, drafter, features) to it: the training data (``policy.round_data``)."""
+
+    def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
+                 fallback: Mapping[str, float], costs: RoundCosts, config: PlannerConfig, model: RoundModel | None,
+                 num_prompt: int, num_new_tokens: int, prompt_repeat: float, log: list | None = None,
+                 token_priors: Mapping[str, TokenPrior] | None = None):
+        """``token_priors``: the model's, or, logging without a model, a table to fill
+        ``token_prior`` with (none: ``NONE``)."""
+        super().__init__(drafters, priors, fallback, costs, config)
+        self.model, self.log = model, log
+        self.token_priors = model.token_priors if model is not None else dict(token_priors or {})
+        self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
+        self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM)}
+        self._t = 0
+        self._cheapest = {d: min(self.costs_s[d][1:]) for d in drafters}  # seconds of the cheapest round
+        self._draft_prob = NONE
+        self._lengths: Mapping[str, RunLengths] = {}
+        self._tokens: Sequence[int] = ()
+
+    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+        """``tokens``: the request's sequence, prompt first (``rakv.rounds.PlannedRounds``)."""
+        self._lengths, self._tokens = lengths, tokens
+    @property
+    def memo_key(self) -> tuple | None:
+        """Its rounds depend on the request alone: a replay computes them once per request."""
+        return ("learned", id(self.model), self.drafters, self._max_k) if self.log is None else None
+
+    def features(self, drafter: str, signal: int, t: int) -> list[float]:
+        """``ROUND_FEATURES`` of ``drafter`` at t."""
+        h = self.history[drafter]
+        ngram = drafter == NGRAM
+        lengths = self._lengths[drafter]
+        return [signal, min(lengths.proposed[t], self.shadow_length) if ngram else self._max_k,
+                lengths.extents[t] if ngram and lengths.extents is not None else 0, t, self.num_new_tokens - t,
+                self.estimate(drafter, signal), h.trials, h.successes / h.trials if h.trials else NONE,
+                h.last_accepted, h.last_full, t - h.last_t if h.last_t >= 0 else NONE, *h.recent,
+                self.prompt_repeat, self._draft_prob if not ngram else NONE,
+                self.confidence if not ngram else NONE, self.token_prior(drafter, t)]
+
+    def token_prior(self, drafter: str, t: int) -> float:
+        """The drafter's P(m >= 1) after the sequence's last token at t, from its table."""
+        table = self.token_priors.get(drafter)
+        if table is None or not len(self._tokens):
+            return NONE
+        return table[0].get(int(self._tokens[self.num_prompt + t - 1]), table[1])
+
+    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
+        self._t = t
+        if self.log is not None:
+            for drafter in self.drafters:
+                if drafter != NGRAM or self._lengths[NGRAM].proposed[t]:
+                    self.log.append((t, drafter, self.features(drafter, signals[drafter], t)))
+        if self.model is None:
+            return super().plan(signals, t)
+        best_rate, best = self._plain_rate, self._plain
+        for drafter in self.drafters:
+            top = self._max_k
+            if drafter == NGRAM:  # as the engine sees it: a proposal of at most shadow_length
+                top = min(top, self._lengths[NGRAM].proposed[t], self.shadow_length)
+                if not top:
+                    continue  # nothing to propose
+            if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
+                progress, costs = self._priced(drafter, signals[drafter])
+            else:
+                first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t))
+                # no round can win if even its most tokens at its cheapest cannot (this only skips work)
+                if (1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * self._cheapest[drafter]:
+                    continue
+                stops = self._stop_shares if drafter == DRAFT_MODEL else (0.0, 0.0)
+                progress, costs = run_rounds(first, further, *stops, self.costs_s[drafter], top)
+            beat = best_rate * (1 + 1e-9)
+            for k in range(1, top + 1):
+                rate = progress[k] / costs[k]
+                if rate > beat:
+                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+        return best
+
+    def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
+                probs: Sequence[float] = ()) -> None:
+        super().observe(drafter, signal, num_proposed, accepted, probs)
+        if num_proposed == 0:
+            return
+        h = self.history[drafter]
+        h.successes += accepted
+        h.trials += accepted + (accepted < num_proposed)
+        h.last_t, h.last_accepted, h.last_full = self._t, accepted, float(accepted == num_proposed)
+        h.recent = [accepted, h.recent[0], h.recent[1]]
+        if probs:
+            verified = probs[:accepted + 1]
+            self._draft_prob = sum(verified) / len(verified)
