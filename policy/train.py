@@ -11,8 +11,8 @@ and P(m >= j + 1 | m >= j) (``rakv.learned_rounds``). Optuna (seeded TPE, median
 tunes the trees and the planner's margin and confidence threshold (``planner.min_gain``,
 ``planner.draft_confidence``) with the simulator as the
 judge: a trial's objective is the replayed tokens per second of service of the learned
-policy on the validation families, over ``rakv``'s, averaged over the traces (a trial is
-pruned after any trace). Every trial is stored (a SQLite file beside ``--out`` by
+policy on the validation families, over ``rakv``'s, averaged over the traces, a loss on any
+trace weighing double (``score``; a trial is pruned after any trace). Every trial is stored (a SQLite file beside ``--out`` by
 default, or any SQLAlchemy URL, so several machines can tune one study), and a study
 resumes where it stopped: ``--trials`` is the total it runs to.
 
@@ -182,11 +182,22 @@ def objective(data: Data):
                 baseline[trace.path] = service_tokens_per_s(held, timing, session_of("rakv", None, held, timing, inputs))
             learned = service_tokens_per_s(held, timing, session_of("learned", policy_file, held, timing, inputs))
             ratios.append(learned / baseline[trace.path])
-            trial.report(float(np.mean(ratios)), step)
+            trial.report(score(ratios), step)
             if trial.should_prune():
                 raise optuna.TrialPruned()
-        return float(np.mean(ratios)) if ratios else 1.0
+        return score(ratios) if ratios else 1.0
     return run
+
+
+LOSS_WEIGHT = 2.0  # a trace where the learned planner loses to rakv costs this much more than a gain earns
+
+
+def score(ratios: list[float]) -> float:
+    """A trial's objective from its learned / rakv ratios per trace: their mean, less
+    ``LOSS_WEIGHT`` times the mean shortfall below 1 (the learned planner should never be
+    slower than the analytic one on any workload)."""
+    shortfall = [max(0.0, 1.0 - r) for r in ratios]
+    return float(np.mean(ratios) - LOSS_WEIGHT * np.mean(shortfall))
 
 
 def open_study(storage: str, name: str, seed: int):
