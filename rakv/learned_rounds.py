@@ -96,13 +96,11 @@ class LearnedRounds(AdaptiveRounds):
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
                  fallback: Mapping[str, float], costs: RoundCosts, config: PlannerConfig, model: RoundModel | None,
-                 num_prompt: int, num_new_tokens: int, prompt_repeat: float, log: list | None = None,
-                 token_priors: Mapping[str, TokenPrior] | None = None):
-        """``token_priors``: the model's, or, logging without a model, a table to fill
-        ``token_prior`` with (none: ``NONE``)."""
+                 num_prompt: int, num_new_tokens: int, prompt_repeat: float, log: list | None = None):
         super().__init__(drafters, priors, fallback, costs, config)
         self.model, self.log = model, log
-        self.token_priors = model.token_priors if model is not None else dict(token_priors or {})
+        # without a model (a first pass), ``token_prior`` is logged as NONE: the table is made from its labels
+        self.token_priors = model.token_priors if model is not None else {}
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
         self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM)}
         self._t = 0
@@ -114,6 +112,7 @@ class LearnedRounds(AdaptiveRounds):
     def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
         """``tokens``: the request's sequence, prompt first (``rakv.rounds.PlannedRounds``)."""
         self._lengths, self._tokens = lengths, tokens
+
     @property
     def memo_key(self) -> tuple | None:
         """Its rounds depend on the request alone: a replay computes them once per request."""

@@ -251,6 +251,7 @@ class AdaptiveRounds:
     """
 
     adaptive = True  # each round planned anew
+    memo_key = None  # its rounds start from the policy's running estimates: not the request's alone
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
                  fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig(),
@@ -285,8 +286,6 @@ class AdaptiveRounds:
         if (drafter, signal) in self.acceptance:
             return self.acceptance[drafter, signal]
         return initial_estimate(drafter, signal, self.fallback[drafter])
-
-    memo_key = None  # its rounds start from the policy's running estimates: not the request's alone
 
     def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
         pass  # the signals are all it reads

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import hf_greedy, policy_for
 from engine_checks import assert_rounds_replay, run_mix
-from rakv.drafters import NgramConfig, ngram_match, ngram_propose, ngram_run_lengths
+from rakv.drafters import MAX_EXTENT, NgramConfig, ngram_lookup, ngram_match, ngram_propose, ngram_run_lengths
 from rakv.engine import Engine
 
 
@@ -34,6 +34,17 @@ def test_run_lengths():
     assert (lengths.runs[0], lengths.proposed[0], lengths.signals[0]) == (2, 4, 2)  # matched the 2-gram "1 2"
     assert (lengths.runs[2], lengths.signals[2]) == (0, 3)  # "2 3 4" -> "1 2 ...", but 9 follows
     assert ngram_match([5, 6, 7], 4) == ([], 0)
+
+
+def test_a_match_extended_backwards():
+    # "... 1 2 3 4" occurred before as "9 1 2 3 4 5": the 3-gram match extends over 4 tokens
+    assert ngram_lookup([9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 4], 2) == ([5, 7], 3, 4)
+    assert ngram_lookup([8, 2, 3, 4, 5, 7, 1, 2, 3, 4], 2)[1:] == (3, 3)  # it stops where they differ
+    assert ngram_lookup([1, 2, 3], 2) == ([], 0, 0)  # no match
+    repeated = [5] * 200  # a long copy is counted up to MAX_EXTENT
+    assert ngram_lookup(repeated, 1)[2] == MAX_EXTENT
+    lengths = ngram_run_lengths([9, 1, 2, 3, 4, 5], [7, 1, 2, 3, 4], 4)
+    assert lengths.extents == [ngram_lookup([9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 4][:6 + t], 4)[2] for t in range(5)]
 
 
 def test_config_is_checked():
