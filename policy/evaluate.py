@@ -31,6 +31,7 @@ from policy.round_data import collect, first_target
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.learned import LearnedPolicy, PolicyFile, PolicyFileError, load_policy
+from rakv.learned_rounds import ROUND_FEATURES
 from rakv.settings import DecisionInputs, Settings
 from simulator.costs import CostModelError
 from simulator.oracle import Oracle
@@ -108,7 +109,7 @@ def auc(score: np.ndarray, label: np.ndarray) -> float | None:
 
 
 def predictions(policy_file: PolicyFile, trace: Trace, inputs: DecisionInputs) -> dict[str, Prediction]:
-    from rakv.learned_rounds import ROUND_FEATURES
+    """Per drafter with a head, at the learned planner's round starts over ``trace``."""
     rows = collect(trace, inputs, policy_file.controller, float(policy_file.sidecar["draft_prior"]),
                    policy_file.model)
     estimate = ROUND_FEATURES.index("estimate")

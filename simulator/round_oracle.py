@@ -104,12 +104,12 @@ def best_schedule(n: int, num_output: int, max_new: int, max_k: int, drafters: t
     gaps_at = ((lambda t: {*range(1, t + 2), start_gap + t - 1}) if draft_ready else (lambda t: (0,)))
     value = {(end, g): terminal(g) for g in gaps_at(end)} if end > 1 else {}
     taken: dict[tuple[int, int], tuple[int, int, ReplayedRound | None]] = {}
+    step = 1 if draft_ready else 0  # how a non-draft move lengthens the gap, per token appended
     for t in range(end - 1, 0, -1):
         best_draft = None  # D(t): the cheapest draft-model round from t and where it lands, whatever the gap
         if draft_moves[t]:
             best_draft = min((c + value[t + a, g], t + a, g, rnd) for a, g, c, rnd in draft_moves[t])
         for gap in gaps_at(t):
-            step = 1 if draft_ready else 0
             best_v, best_move = float("inf"), None
             for a, c, rnd in plain_moves[t]:
                 v = c + value[t + a, gap + a * step]
