@@ -34,13 +34,12 @@ from rakv.learned import LearnedPolicy, PolicyFile, PolicyFileError, load_policy
 from rakv.learned_rounds import ROUND_FEATURES
 from rakv.settings import DecisionInputs, Settings
 from simulator.costs import CostModelError
-from simulator.oracle import Oracle
-from simulator.replay import simulate
-from simulator.round_oracle import RoundOracle
+from simulator.replay import make_session, simulate
 from simulator.schedule import schedule
 from simulator.session import Session, SessionError
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace
+from simulator.validate import average_ranks
 
 CHOOSERS = ("learned", "rakv", "oracle", "round-oracle")
 
@@ -80,14 +79,12 @@ def service_tokens_per_s(trace: Trace, timing: Timing, session: Session) -> floa
 
 def session_of(name: str, policy_file: PolicyFile | None, trace: Trace, timing: Timing,
                inputs: DecisionInputs) -> Session:
-    namespaces = (trace.target_namespace, trace.draft_namespace)
+    """A replay session of ``name``, as ``simulator.replay`` makes it; ``learned`` is
+    ``policy_file``, which may be a trial's, held in memory."""
     if name == "learned":
-        return Session(LearnedPolicy(policy_file, inputs.timings), inputs, *namespaces)
-    if name == "oracle":
-        return Oracle(inputs, timing.costs, timing.overhead, *namespaces)
-    if name == "round-oracle":
-        return RoundOracle(inputs, timing.costs, timing.overhead, *namespaces)
-    return Session.for_policy(name, inputs, *namespaces)
+        return Session(LearnedPolicy(policy_file, inputs.timings), inputs, trace.target_namespace,
+                       trace.draft_namespace)
+    return make_session(name, trace, inputs, timing)
 
 
 def auc(score: np.ndarray, label: np.ndarray) -> float | None:
@@ -95,16 +92,7 @@ def auc(score: np.ndarray, label: np.ndarray) -> float | None:
     positives, negatives = label.sum(), len(label) - label.sum()
     if not positives or not negatives:
         return None
-    order = np.argsort(score, kind="mergesort")
-    ranks = np.empty(len(score))
-    sorted_scores = score[order]
-    i = 0
-    while i < len(score):  # average ranks over ties
-        j = i
-        while j + 1 < len(score) and sorted_scores[j + 1] == sorted_scores[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
+    ranks = average_ranks(score) + 1  # from 1: the Mann-Whitney U of the positives
     return float((ranks[label == 1].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rakv.controller import ControllerConfig, CostModelPolicy
+from rakv.controller import ControllerConfig
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.acceptance import replay_request
-from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior, repeat_share
+from rakv.learned import LearnedPolicy, PolicyFile
+from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior
 from rakv.settings import DecisionInputs
 from simulator.session import output_length
 from simulator.trace import Trace
@@ -94,16 +95,14 @@ def further_target(rows: DrafterRows) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def planner_for(inputs: DecisionInputs, controller: ControllerConfig, request, draft_prior: float,
                 model: RoundModel | None, log: list | None) -> LearnedRounds:
-    """The learned planner of a request that readies every drafter of the pair, on a miss."""
+    """The learned planner of a request that readies every drafter of the pair, on a miss,
+    as the live policy makes it."""
     n = len(request.prompt_ids)
     features = RequestFeatures(n, request.max_new_tokens, 0, 0, False,
                                prompt_ids=np.asarray(request.prompt_ids, dtype=np.int64))
-    policy = CostModelPolicy(inputs.timings, controller)
-    action = Action(0, 1, DRAFT_MODEL) if DRAFT_MODEL in policy.drafters else Action(0, 0)
-    drafters, config, costs = policy.planner_setup(features, action)
-    start = {d: draft_prior if d == DRAFT_MODEL else inputs.timings.prior(NGRAM) for d in policy.drafters}
-    return LearnedRounds(drafters, {}, start, costs, config, model, n, request.max_new_tokens,
-                         repeat_share(request.prompt_ids, 3), log)
+    policy = LearnedPolicy(PolicyFile.in_memory(model, controller, draft_prior), inputs.timings)
+    action = Action(0, 1, DRAFT_MODEL) if DRAFT_MODEL in policy.analytic.drafters else Action(0, 0)
+    return policy.planner(features, action, log)
 
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,

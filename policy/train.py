@@ -142,10 +142,6 @@ def with_priors(rows: dict[str, DrafterRows]) -> tuple[dict[str, DrafterRows], d
     return {d: r.with_token_prior(priors[d]) for d, r in rows.items()}, priors
 
 
-def in_memory(model: RoundModel, controller: ControllerConfig, draft_prior: float) -> PolicyFile:
-    return PolicyFile(Path("<trial>"), model, {"controller": settings_to_json(controller), "draft_prior": draft_prior})
-
-
 def trial_settings(trial) -> tuple[dict, int, ControllerConfig]:
     params = {"num_leaves": trial.suggest_int("num_leaves", 4, MAX_LEAVES),
               "learning_rate": trial.suggest_float("learning_rate", 0.03, 0.3, log=True),
@@ -172,7 +168,7 @@ def objective(data: Data):
         params, num_rounds, controller = trial_settings(trial)
         rows, priors = with_priors(data.rows(None, ("train",), controller, data.draft_prior))
         model = round_model(fit_heads(rows, params, num_rounds, data.seed), priors)
-        policy_file = in_memory(model, controller, data.draft_prior)
+        policy_file = PolicyFile.in_memory(model, controller, data.draft_prior)
         ratios = []
         for step, (trace, timing, inputs) in enumerate(data.sources):
             held = subset(trace, validation)
@@ -283,7 +279,7 @@ def export(data: Data, study, out: Path) -> dict:
     second_pass = data.rows(model, ("train", "validation"), controller, data.draft_prior)
     both = {d: DrafterRows.concat([first_pass[d], second_pass[d]]) for d in first_pass if d in second_pass}
     boosters = fit_heads(both, params, best.params["num_rounds"], data.seed)
-    policy_file = in_memory(round_model(boosters, priors), controller, data.draft_prior)
+    policy_file = PolicyFile.in_memory(round_model(boosters, priors), controller, data.draft_prior)
     test = data.families("test")
     evaluations = [asdict(evaluate_trace(policy_file, trace, timing, test)) for trace, timing, _ in data.sources
                    if subset(trace, test).requests]

@@ -34,7 +34,7 @@ from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome
 from rakv.cost_model import Action, PairTimings, RequestFeatures
 from rakv.drafters import DRAFTERS, NGRAM
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, LearnedRounds, RoundModel, repeat_share
-from rakv.settings import settings_from_json
+from rakv.settings import settings_from_json, settings_to_json
 from rakv.trees import compile_model
 
 FORMAT = "rakv-learned-policy"
@@ -55,8 +55,14 @@ class PolicyFileError(ValueError):
 @dataclass(frozen=True)
 class PolicyFile:
     path: Path
-    model: RoundModel
+    model: RoundModel | None
     sidecar: dict
+
+    @classmethod
+    def in_memory(cls, model: RoundModel | None, controller: ControllerConfig, draft_prior: float) -> "PolicyFile":
+        """A policy not written anywhere (a tuning trial's; model None: the analytic planner
+        that logs the first pass of training data)."""
+        return cls(Path("<in memory>"), model, {"controller": settings_to_json(controller), "draft_prior": draft_prior})
 
     @property
     def controller(self) -> ControllerConfig:
@@ -153,10 +159,11 @@ class LearnedPolicy:
     def decide(self, features: RequestFeatures) -> Action:
         return self.analytic.decide(features)
 
-    def planner(self, features: RequestFeatures, action: Action) -> LearnedRounds:
+    def planner(self, features: RequestFeatures, action: Action, log: list | None = None) -> LearnedRounds:
+        """``log``: where the planner appends its decisions' features (training data)."""
         drafters, config, costs = self.analytic.planner_setup(features, action)
         return LearnedRounds(drafters, {}, self.start, costs, config, self.file.model, features.num_prompt_tokens,
-                             features.num_new_tokens, repeat_share(features.prompt_ids, 3))
+                             features.num_new_tokens, repeat_share(features.prompt_ids, 3), log)
 
     def observe(self, outcome: RequestOutcome) -> None:
         self.analytic.observe(outcome)

@@ -57,18 +57,21 @@ class Fidelity:
     first_mismatch: str | None
 
 
+def average_ranks(x) -> np.ndarray:
+    """Ranks from 0, ties sharing their mean rank."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):
+        tied = x == value
+        r[tied] = r[tied].mean()
+    return r
+
+
 def spearman(a, b) -> float:
     """Rank correlation (average ranks for ties)."""
-    def ranks(x):
-        x = np.asarray(x, dtype=float)
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=float)
-        for value in np.unique(x):  # ties share their mean rank
-            tied = x == value
-            r[tied] = r[tied].mean()
-        return r
-    ra, rb = ranks(a), ranks(b)
+    ra, rb = average_ranks(a), average_ranks(b)
     if ra.std() == 0 or rb.std() == 0:
         return float("nan")
     return float(np.corrcoef(ra, rb)[0, 1])
