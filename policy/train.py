@@ -200,16 +200,19 @@ def open_study(storage: str, name: str, seed: int):
     """The study, created or loaded; its sampler is seeded by ``seed`` and the trials
     already stored, so a resumed study does not draw its first trials' parameters again."""
     import optuna
-    from sqlalchemy.exc import IntegrityError
+    from sqlalchemy.exc import DBAPIError
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for attempt in range(5):  # workers starting together race to create the tables and the study
+    # Workers starting together on a fresh database race to create its tables (a duplicate
+    # key, or a duplicate table such as alembic_version) and the study: the loser retries.
+    for attempt in range(5):
         try:
             study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True,
                                         pruner=optuna.pruners.MedianPruner(n_startup_trials=5))
             break
-        except (IntegrityError, optuna.exceptions.DuplicatedStudyError):
+        except (DBAPIError, optuna.exceptions.StorageInternalError, optuna.exceptions.DuplicatedStudyError) as e:
             if attempt == 4:
-                raise
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"cannot open Optuna study {name!r} at {storage}: {first_line}") from None
             time.sleep(0.2 * (attempt + 1))
     study.sampler = optuna.samplers.TPESampler(seed=seed + len(study.get_trials(deepcopy=False)))
     return study

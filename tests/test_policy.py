@@ -100,6 +100,13 @@ def test_tuning_resumes_from_its_storage(trace, tmp_path):
     assert len(done) == 4 and (out / "policy.json").is_file()
 
 
+def test_an_unreachable_storage_is_one_line(trace, tmp_path, capsys):
+    bad = f"postgresql+psycopg://postgres@/optuna?host={tmp_path / 'nosocket'}&port=1"
+    assert train_main(["--trace", str(trace), "--out", str(tmp_path / "p"), "--trials", "1", "--storage", bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot open Optuna study 'p' at postgresql") and "\n" not in err
+
+
 def _postgres_bin() -> Path:
     found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
     if not found:
