@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.harness import fresh_engine, hf_generate, timed
 from bench.prompt_lookup import Row, Tally
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 
 GOAL_CODE_VS_ASSISTED = 1.2
 GOAL_PROSE_VS_ASSISTED = 1.0
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fixed policies to run besides ar; the best of them and ar is rakv's bar (default: spec-k4,spec-k8)")
     p.add_argument("--profile", metavar="POLICY", nargs="?", const="joint-k4", default=None,
                    help="profile the first request under POLICY (default joint-k4) and HF assisted instead")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--json", type=Path, default=None, help="also write the rows and verdicts as JSON")
     args = p.parse_args(argv)
     try:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         from rakv.calibrate import load_or_calibrate
         from rakv.cpu_linear import stock_linears
         from rakv.models import load_pair
-        pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
+        pair = load_pair(args.pair, linear_kernels=args.linear_kernels, weights_mode=args.weights)
         if pair.draft is None:
             raise ValueError(f"pair {args.pair!r} has no draft model to assist with")
         prompts = workloads(pair, args.code, args.prose)

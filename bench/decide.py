@@ -62,7 +62,7 @@ def run(args) -> int:
     from rakv.models import load_pair
     configure_torch(args.threads)
     print(f"loading {args.pair}", file=sys.stderr)
-    timings = load_or_calibrate(load_pair(args.pair, linear_kernels=args.linear_kernels))
+    timings = load_or_calibrate(load_pair(args.pair, linear_kernels=args.linear_kernels, weights_mode=args.weights))
     return report(format_decide(bench_decide(timings, args.decide_calls, [])), Checks())
 
 

@@ -49,7 +49,7 @@ from bench.policies import (PolicySection, chat_workload, code_workload, fixed_p
                             policy_section)
 from bench.repeat import RepeatSection, bench_exact_repeat, format_repeat
 from rakv.cli import run_cli
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 
 QWEN_DEFAULT_POLICIES = "ar,kv-only,joint-k2,joint-k4,joint-ngram-k4"
 
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "Hugging Face generate, policies in tokens/s (against HF assisted generation), and "
                     "the controller's overhead. Prints ratios measured in this run.")
     p.add_argument("--pair", default="smollm2", help="model pair for sections 1-5 (default: smollm2)")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repeats (a smoke test)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="max_new_tokens in sections 3 and 4 (default: 48, --quick: 12)")
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     checks = Checks()
     sections: dict = {}
     print(f"loading {args.pair}", file=sys.stderr)
-    pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
+    pair = load_pair(args.pair, linear_kernels=args.linear_kernels, weights_mode=args.weights)
     timings = load_or_calibrate(pair)
     warm_up(pair)
     sections["exact_repeat"] = bench_exact_repeat(pair, 3 if args.quick else 8, checks)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         del pair
         gc.collect()
         print("loading qwen-coder (the first load converts the GGUF files: minutes)", file=sys.stderr)
-        qwen = load_pair("qwen-coder", linear_kernels=args.linear_kernels)
+        qwen = load_pair("qwen-coder", linear_kernels=args.linear_kernels, weights_mode=args.weights)
         warm_up(qwen)
         sections["policies_qwen"] = policy_section(qwen, code_workload(args.qwen_prompts), args.qwen_policies,
                                                    args.qwen_new_tokens, not args.no_hf_assisted, checks, "qwen-coder")

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 
 PARAGRAPHS = (
     "A key-value cache keeps the attention keys and values of every token a transformer has "
@@ -120,7 +120,7 @@ def bench_parser(prog: str, description: str, quick: bool = True) -> argparse.Ar
     with ``--quick``, for those whose size it scales)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--pair", default="smollm2", help="model pair (default: smollm2)")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     if quick:
         p.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repeats (a smoke test)")
     p.add_argument("--threads", type=int, default=None,
@@ -148,7 +148,7 @@ def load_warm_pair(args: argparse.Namespace):
     from rakv.models import load_pair
     configure_torch(args.threads)
     print(f"loading {args.pair}", file=sys.stderr)
-    pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
+    pair = load_pair(args.pair, linear_kernels=args.linear_kernels, weights_mode=args.weights)
     warm_up(pair)
     return pair
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 
 GOAL_DECIDE_US = 30.0
 
@@ -61,7 +61,7 @@ def decide_us(policy_path: Path, trace_path: Path) -> tuple[float, float]:
 
 
 def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, max_new_tokens: int,
-         linear_kernels: str = "auto") -> dict:
+         linear_kernels: str = "auto", weights_mode: str = "fp32") -> dict:
     import torch
     torch.set_num_threads(1)
     from profiler.record import prompt_ids
@@ -71,7 +71,7 @@ def live(policy_path: Path, pair_name: str, workload: str, num_requests: int, ma
     from rakv.engine import Engine
     from rakv.models import load_pair
     from rakv.policies import LEARNED, resolve_policy
-    pair = load_pair(pair_name, linear_kernels=linear_kernels)
+    pair = load_pair(pair_name, linear_kernels=linear_kernels, weights_mode=weights_mode)
     timings = load_or_calibrate(pair)
     names = {"rakv": "rakv", "learned": f"{LEARNED}={policy_path}"}  # row name -> policy name
     engines = {row: Engine(pair, resolve_policy(name, timings, ControllerConfig(), pair.target_fingerprint,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", type=Path, required=True)
     p.add_argument("--trace", type=Path, default=Path("traces/smollm2-chat"), help="requests to time decisions on")
     p.add_argument("--pair", default="smollm2")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--workload", default="chat")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one round decision: {plan_us:.1f} us (median; goal {GOAL_DECIDE_US:.0f}); the bookkeeping after a "
           f"round or shadow check: {observe_us:.1f} us")
     if not args.decide_only:
-        result = live(args.policy, args.pair, args.workload, args.requests, args.max_new_tokens, args.linear_kernels)
+        result = live(args.policy, args.pair, args.workload, args.requests, args.max_new_tokens, args.linear_kernels,
+                      args.weights)
         speeds = result["tokens_per_s"]
         print(f"live, {result['num_requests']} requests of {args.workload}, {args.max_new_tokens} new tokens: "
               + ", ".join(f"{n} {v:.2f} tok/s" for n, v in speeds.items())

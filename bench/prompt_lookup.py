@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.harness import fresh_engine, hf_generate, timed
 from profiler.prompt_texts import CHAT, PROSE, REVISE, chat_prompt
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 
 ENGINE_POLICIES = ("ar", "ngram-k4", "rakv")
 HF_LOOKUP_TOKENS = (None, 3, 10)
@@ -117,7 +117,7 @@ def run_workload(pair, workload: str, prompts: list[list[int]], args, timings) -
 def run(args) -> int:
     from rakv.calibrate import load_or_calibrate
     from rakv.models import load_pair
-    pair = load_pair(args.pair, linear_kernels=args.linear_kernels)
+    pair = load_pair(args.pair, linear_kernels=args.linear_kernels, weights_mode=args.weights)
     timings = load_or_calibrate(pair)
     rows: list[Row] = []
     for workload, prompts in workloads(pair, args).items():
@@ -153,7 +153,7 @@ def report(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prompt_lookup", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="smollm2")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--code", type=int, default=20, help="HumanEval prompts (default: 20)")
     p.add_argument("--chat", type=int, default=10, help="revision turns (default: 10)")

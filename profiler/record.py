@@ -37,7 +37,7 @@ from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load
 from rakv.cli import run_cli
 from rakv.choices import fixed_policy_names
 from rakv.controller import ControllerConfig
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, measure_pair
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
 
@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="float32, float16, bfloat16, float64 (default: the pair's)")
     p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flush-rows", type=int, default=16, help="rows per flushed part file (default: 16)")
     return p.parse_args(argv)
@@ -87,11 +87,12 @@ def load(args):
     if args.random_weights:
         from rakv.cpu_linear import with_kernels
         from rakv.shapes import random_pair
-        return with_kernels(random_pair(args.pair, args.dtype or "float16", args.device, args.seed),
-                            args.linear_kernels), None
+        from rakv.weights import with_weights
+        pair = with_weights(random_pair(args.pair, args.dtype or "float16", args.device, args.seed), args.weights)
+        return with_kernels(pair, args.linear_kernels), None
     workload = load_workload(args.workload, args.requests, args.seed)  # a bad workload fails before any load
     from rakv.models import load_pair
-    pair = load_pair(args.pair, args.dtype, args.max_context, linear_kernels=args.linear_kernels)
+    pair = load_pair(args.pair, args.dtype, args.max_context, linear_kernels=args.linear_kernels, weights_mode=args.weights)
     if args.device != "cpu":
         raise ValueError("real-weight recording runs on the CPU here; use --random-weights on a GPU machine")
     check_vocabulary(workload, pair)
@@ -118,7 +119,7 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
     models = {"pair": args.pair, "target": pair.target_fingerprint, "draft": pair.draft_fingerprint,
               "target_config": config_identity(pair.target.config, diff=True),
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers,
-              "linear_kernels": pair.linear_kernels}
+              "linear_kernels": pair.linear_kernels, "weights": pair.weights}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("resume", "out", "skip", "flush_rows")}
     config["dtype"] = str(pair.target.dtype)

@@ -21,7 +21,7 @@ from rakv.drafters import NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
 from rakv.store_model import STORE_MODES, StoreConfig
-from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+from rakv.weights import add_precision_arguments
 from rakv.models import BUILTIN_PAIRS, PairError
 from rakv.policies import POLICY_HELP, check_policy, resolve_policy
 from rakv.prompt_file import PromptLine, read_prompt_file
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default=None,
                    help="model dtype (default: float64 for tiny, float32 otherwise)")
     p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
-    p.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+    add_precision_arguments(p)
     p.add_argument("--draft-layers", type=int, default=4,
                    help="smollm2: layers of the self-speculative draft; 0: no draft model (default: 4)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram searched (default: 3)")
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from rakv.engine import Engine
     from rakv.models import load_pair
 
-    pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers, args.linear_kernels)
+    pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers, args.linear_kernels, args.weights)
     timings = load_or_calibrate(pair, refresh=args.recalibrate) if fixed_action(args.policy) is None else None
     limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
     policy = resolve_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit), pair.target_fingerprint,

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rakv import cpu_linear
+from rakv import cpu_linear, weights
 
 BUILTIN_PAIRS = ("tiny", "smollm2", "qwen-coder")
 SMOLLM2_DRAFT_LAYERS = 4
@@ -43,7 +43,8 @@ class ModelPair:
     draft_fingerprint: str | None
     max_positions: int
     eos_token_ids: frozenset[int]
-    linear_kernels: str = "stock"  # rakv.cpu_linear: "onednn" when the Linear layers run packed
+    linear_kernels: str = "stock"  # rakv.cpu_linear: "onednn" when the float32 Linear layers run packed
+    weights: str = weights.FP32  # rakv.weights: the Linear layers' precision, part of both fingerprints
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
@@ -196,8 +197,10 @@ def layer_prefix_draft(target, num_layers: int):
 
 
 def load_pair(spec: str, dtype: str | None = None, max_context: int | None = None,
-              draft_layers: int = SMOLLM2_DRAFT_LAYERS, linear_kernels: str = "auto") -> ModelPair:
-    """Load a pair by built-in name or ``TARGET[,DRAFT]``, its Linear layers on the kernels
+              draft_layers: int = SMOLLM2_DRAFT_LAYERS, linear_kernels: str = "auto",
+              weights_mode: str = weights.DEFAULT_WEIGHTS) -> ModelPair:
+    """Load a pair by built-in name or ``TARGET[,DRAFT]``, its Linear layers in the precision
+    ``rakv.weights.choose_weights`` picks, its float32 ones on the kernels
     ``rakv.cpu_linear.choose_kernels`` picks. Raises PairError (one line)."""
     import torch
     from rakv import model_files
@@ -207,6 +210,7 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
     if spec == "tiny":
         target, draft = tiny_models(dtype=torch_dtype)
         tokenizer, sources = ByteTokenizer(), ("tiny-target", "tiny-draft")
+        files = []
     elif spec == "smollm2":
         path = _resolve(model_files, "smollm2")
         target, tokenizer = _load_hf(str(path), torch_dtype)
@@ -214,12 +218,14 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
             raise PairError(f"--draft-layers must be in 0..{target.config.num_hidden_layers - 1}, got {draft_layers}")
         draft = layer_prefix_draft(target, draft_layers) if draft_layers else None
         sources = ("smollm2", f"smollm2[:{draft_layers} layers]")
+        files = [path]
     elif spec == "qwen-coder":
         target_path = _resolve(model_files, "qwen-coder-1.5b")
         draft_path = _resolve(model_files, "qwen-coder-0.5b")
         target, tokenizer = _load_hf(str(target_path), torch_dtype)
         draft, _ = _load_hf(str(draft_path), torch_dtype)
         sources = ("qwen-coder-1.5b", "qwen-coder-0.5b")
+        files = [target_path, draft_path]
     elif spec and not spec.startswith("-"):
         names = spec.split(",")
         if len(names) > 2 or not all(names):
@@ -227,6 +233,7 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         target, tokenizer = _load_hf(names[0], torch_dtype)
         draft = _load_hf(names[1], torch_dtype)[0] if len(names) == 2 else None
         sources = (names[0], names[1] if len(names) == 2 else None)
+        files = [Path(n) for n in names]
     else:
         raise PairError(f"unknown pair {spec!r}; choose one of {', '.join(BUILTIN_PAIRS)} or TARGET[,DRAFT]")
     pair = ModelPair(
@@ -234,7 +241,11 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
         max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))
+    quantized_source = any(f.suffix == ".gguf" and weights.gguf_is_quantized(f) for f in files)
     try:
+        pair = weights.with_weights(pair, weights_mode, quantized_source)
+        if pair.weights != weights.FP32 and linear_kernels == cpu_linear.STOCK:
+            raise ValueError(f"--linear-kernels stock is for fp32 weights; {pair.weights} weights run on oneDNN")
         return cpu_linear.with_kernels(pair, linear_kernels)
     except ValueError as exc:
         raise PairError(str(exc)) from None

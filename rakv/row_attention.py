@@ -1,0 +1,67 @@
+"""Attention whose rows never mix: a forward over T tokens gives each token the bits that
+a one-token forward at its position gives it.
+
+PyTorch's CPU attention splits a forward over T queries into blocks, and a row's sums
+are added in an order that depends on T: a forward over 5 tokens and five one-token
+forwards differ in the last bits of every layer's output (about 1e-7 relative). In
+float32 the next Linear layer carries that along unchanged and greedy tokens almost never
+flip. In int8 (``rakv.weights``) each Linear rounds its input to 255 levels a row, and a
+difference in the last bit moves a value across a rounding boundary now and then: a
+greedy token flipped on 3 of 3 SmolLM2 prompts under ``spec-k4``.
+
+So each query row runs as the one-token decode step at its position runs: Hugging Face's
+own SDPA attention, one query, the keys and values up to and including its position, no
+mask. With the Linear layers' rows exact (int8 sums are integers; oneDNN's packed float32
+layers stream their weight once per row block, rows never mixing) and every other op
+elementwise or per row, a verification forward over T tokens equals T decode steps, and a
+prompt prefilled in one piece equals the same prompt after a stored prefix.
+
+Invariants:
+- Batch size 1 with no padding (the engine's case, and HF greedy's reference): row i of T
+  sees the first ``kv_length - T + 1 + i`` keys. Anything else (a batch, a padded mask)
+  runs HF's SDPA unchanged, rows mixing.
+- The name is registered with transformers' ``AttentionInterface`` on first use; importing
+  this module loads no torch.
+"""
+from __future__ import annotations
+
+ROW_EXACT = "rakv_row_exact"
+
+
+def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
+    """query [1, heads, T, dim], key/value [1, kv_heads, L, dim] -> ([1, T, heads, dim], None)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    num_rows, kv_length = query.shape[2], key.shape[2]
+    if num_rows == 1 or query.shape[0] != 1 or not _causal(attention_mask, num_rows, kv_length):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop("is_causal", None)
+    rows = []
+    for i in range(num_rows):
+        seen = kv_length - num_rows + 1 + i  # causal, no padding: this row's keys
+        out, _ = sdpa_attention_forward(module, query[:, :, i:i + 1], key[:, :, :seen], value[:, :, :seen], None,
+                                        is_causal=False, **kwargs)
+        rows.append(out)  # [1, 1, heads, dim]
+    return torch.cat(rows, dim=1), None
+
+
+def _causal(attention_mask, num_rows: int, kv_length: int) -> bool:
+    """Whether ``attention_mask`` (None, or a [1, 1, T, L] bool or additive mask) is the
+    plain causal mask of T queries after ``L - T`` cached positions."""
+    if attention_mask is None:
+        return True
+    import torch
+    mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if mask.shape[0] != 1 or mask.shape[-2] != num_rows or mask.shape[-1] < kv_length:
+        return False
+    mask = mask[..., :kv_length].reshape(-1, num_rows, kv_length)  # [heads or 1, T, L]
+    want = torch.ones(num_rows, kv_length, dtype=torch.bool, device=mask.device).tril(kv_length - num_rows)
+    return bool((mask == want).all())
+
+
+def use_row_exact_attention(model) -> None:
+    """Run ``model``'s attention row by row (registers the function once)."""
+    from transformers import AttentionInterface
+    if ROW_EXACT not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ROW_EXACT, row_exact_attention)
+    model.set_attn_implementation(ROW_EXACT)

@@ -1,0 +1,124 @@
+"""Weights modes (rakv.weights): int8 rows that never mix for every Linear kind of both
+real pairs and the tiny one, attention rows that never mix (rakv.row_attention), an engine
+whose outputs equal HF greedy on the int8 model under every policy, and a mode that is
+part of the model's identity."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ALL_POLICIES, SMOLLM2_MAX_CONTEXT, hf_greedy, policy_for
+from engine_checks import assert_rounds_replay, run_mix
+from rakv.calibrate import calibration_path
+from rakv.decoding import forward
+from rakv.engine import Engine
+from rakv.models import PairError, load_pair
+from rakv.weights import FP32, INT8, Int8Forward
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+MAX_ROWS = 32
+TINY_LINEAR_KINDS = {(64, 64, False), (64, 32, False), (64, 128, False), (128, 64, False), (64, 258, False)}
+TEXTS = ("def add(a, b):\n    return", "The cache keeps keys and values", "def add(a, b):\n    return a")
+
+
+def linear_kinds(*shapes: str) -> set[tuple[int, int, bool]]:
+    """(in, out, bias) of every Linear of these embedded model shapes, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    from rakv.shapes import shape_config
+    kinds = set()
+    for shape in shapes:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(shape_config(shape))
+        kinds |= {(m.in_features, m.out_features, m.bias is not None)
+                  for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def int8_tiny():
+    return load_pair("tiny", dtype="float32", weights_mode=INT8)  # float32: CPU attention is slow in float64
+
+
+@pytest.mark.parametrize("kind", sorted(linear_kinds("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+                                        | TINY_LINEAR_KINDS))
+def test_int8_rows_are_bit_identical_for_1_to_32_rows(kind):
+    """Every Linear kind of SmolLM2, both Qwen models and the tiny pair: a row's result is
+    the same bits whether it runs alone or with up to 31 others (padding included)."""
+    in_features, out_features, bias = kind
+    torch.manual_seed(in_features * 7 + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    if bias:
+        torch.nn.init.normal_(linear.bias)
+    layer = Int8Forward(linear)
+    x = torch.randn(MAX_ROWS, in_features) * torch.linspace(0.1, 10.0, MAX_ROWS)[:, None]  # rows of other scales
+    with torch.no_grad():
+        full = layer(x)
+        torch.testing.assert_close(full, linear(x), rtol=0.05, atol=0.05 * float(linear(x).abs().max()))
+        for rows in range(1, MAX_ROWS):
+            assert torch.equal(layer(x[:rows]), full[:rows]), f"{rows} rows"
+            assert torch.equal(layer(x[rows:rows + 1])[0], full[rows]), f"row {rows} alone"
+        assert layer(x.view(2, MAX_ROWS // 2, in_features)).shape == (2, MAX_ROWS // 2, out_features)
+
+
+def test_int8_is_another_model(int8_tiny):
+    fp32 = load_pair("tiny", dtype="float32")
+    assert (fp32.weights, int8_tiny.weights) == (FP32, INT8)
+    assert int8_tiny.target_fingerprint != fp32.target_fingerprint
+    assert int8_tiny.draft_fingerprint != fp32.draft_fingerprint
+    assert calibration_path(int8_tiny) != calibration_path(fp32)
+    assert load_pair("tiny", weights_mode="auto").weights == FP32  # not a quantized checkpoint
+    assert {(m.in_features, m.out_features, m.bias is not None) for model in (fp32.target, fp32.draft)
+            for m in model.modules() if isinstance(m, torch.nn.Linear)} == TINY_LINEAR_KINDS
+    linears = [m for m in int8_tiny.target.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight is None and "_rakv_int8" in vars(m) for m in linears)  # no float32 copy
+
+
+def test_modes_that_cannot_run_are_one_line_errors():
+    with pytest.raises(PairError, match="--weights int8 needs float32 or float64 models"):
+        load_pair("tiny", dtype="float16", weights_mode=INT8)
+    with pytest.raises(PairError, match="--linear-kernels stock is for fp32 weights"):
+        load_pair("tiny", dtype="float32", weights_mode=INT8, linear_kernels="stock")
+    with pytest.raises(PairError, match="--weights must be one of auto, fp32, int8"):
+        load_pair("tiny", weights_mode="int3")
+
+
+def test_int8_engine_matches_hf_greedy_under_every_policy(int8_tiny):
+    oracle = {text: hf_greedy(int8_tiny, int8_tiny.encode(text), 24) for text in TEXTS}
+    for name in ALL_POLICIES:
+        engine = Engine(int8_tiny, policy_for(name, int8_tiny))
+        for text in TEXTS:
+            assert list(engine.generate(int8_tiny.encode(text), 24).output_ids) == oracle[text], (name, text)
+
+
+@pytest.fixture(scope="module")
+def int8_smollm2():
+    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="auto")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_forward_rows_never_mix(int8_smollm2):
+    """A verification forward over 6 tokens equals 6 one-token steps, and a prompt prefilled
+    in one piece equals it after a stored prefix, bit for bit."""
+    from transformers import DynamicCache
+    pair = int8_smollm2
+    assert pair.weights == INT8  # auto: the GGUF is quantized
+    ids = pair.encode("The cache keeps keys and values in a specific order, and the store")
+    whole = forward(pair.target, DynamicCache(), ids, num_logits=6)
+    split_cache, steps_cache = DynamicCache(), DynamicCache()
+    forward(pair.target, split_cache, ids[:-6])
+    forward(pair.target, steps_cache, ids[:-6])
+    assert torch.equal(forward(pair.target, split_cache, ids[-6:], num_logits=6), whole)
+    steps = torch.cat([forward(pair.target, steps_cache, [t]) for t in ids[-6:]])
+    assert torch.equal(steps, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_name", ["spec-k8", "joint-ngram-k8", "rakv"])
+def test_smollm2_int8_matches_hf_greedy_and_rounds_replay(int8_smollm2, policy_name):
+    pair = int8_smollm2
+    prompts = [pair.encode(text) for text in TEXTS]
+    results, planners = run_mix(pair, policy_name, prompts, 24)
+    for prompt, result in zip(prompts, results):
+        assert list(result.output_ids) == hf_greedy(pair, prompt, 24)
+    assert_rounds_replay(pair, prompts, results, planners, 24)
