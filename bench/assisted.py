@@ -55,9 +55,12 @@ def run_workload(pair, workload: str, prompts: list[list[int]], policies: list[s
     ``generate``, since float rounding differs between kernels. Returns the rows and the
     number of prompts whose stock HF output differs from ``ar``'s."""
     from rakv.cpu_linear import STOCK, stock_linears
+    from rakv.weights import FP32
     engines = {name: fresh_engine(pair, name, timings=timings if name == "rakv" else None) for name in policies}
     peers = {"hf generate": {}, "hf assisted": {"assisted": True}}
-    same_kernels = {} if pair.linear_kernels == STOCK else {f"{n} ({pair.linear_kernels})": kw for n, kw in peers.items()}
+    # quantized layers have no stock form: HF's rows already run on them
+    same_kernels = ({} if pair.linear_kernels == STOCK or pair.weights != FP32
+                    else {f"{n} ({pair.linear_kernels})": kw for n, kw in peers.items()})
     tallies = {name: Tally() for name in (*policies, *peers, *same_kernels)}
     kernel_diffs = 0
     for i, prompt in enumerate(prompts):
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows, kernel_diffs = rows + workload_rows, kernel_diffs + diffs
         text, verdicts = report(rows, fixed)
         print(f"{args.pair}, {args.max_new_tokens} new tokens, 1 torch thread, lockstep, engine Linear kernels "
-              f"{pair.linear_kernels}, {time.perf_counter() - start:.0f} s")
+              f"{pair.linear_kernels}, weights {pair.weights}, {time.perf_counter() - start:.0f} s")
         print(text)
         print(f"stock-kernel HF generate differs from the engine's ar on {kernel_diffs} of "
               f"{sum(map(len, prompts.values()))} prompts (float rounding of the two kernels; mism counts "

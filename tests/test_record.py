@@ -147,6 +147,19 @@ def test_user_workload_records_end_to_end(tmp_path):
         assert all(run_mismatch(run, replayed) is None for run, replayed in replay_runs(loaded, policy))
 
 
+def test_an_int8_recording_is_its_own_model_and_replays_exactly(trace, tmp_path):
+    """Run lengths, draft probabilities and runs recorded in int8 replay exactly; the mode
+    is in the metadata and the fingerprints."""
+    out = tmp_path / "int8"
+    assert main(FAST + ["--weights", "int8", "--dtype", "float32", "--skip", "ops", "--out", str(out)]) == 0
+    meta = read_meta(out)
+    assert meta.models["weights"] == "int8" and meta.config["weights"] == "int8"
+    assert meta.models["target"] != read_meta(trace).models["target"]
+    loaded = load_trace(out)
+    for policy in ("ar", "joint-k4", "ngram-k8", "rakv"):
+        assert all(run_mismatch(run, replayed) is None for run, replayed in replay_runs(loaded, policy))
+
+
 def test_revision_turns_continue_the_models_own_answer(tmp_path):
     from profiler.prompt_texts import REVISE
     from rakv.models import load_pair

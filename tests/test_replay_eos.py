@@ -41,8 +41,8 @@ def copy_prompt(sentence: str) -> str:
 def trace(tmp_path_factory):
     load_pair = rakv.models.load_pair
 
-    def full_depth_draft(spec, dtype=None, max_context=None, draft_layers=4, linear_kernels="auto"):
-        pair = load_pair("smollm2", dtype, SMOLLM2_MAX_CONTEXT, linear_kernels=linear_kernels)
+    def full_depth_draft(spec, dtype=None, max_context=None, draft_layers=4, linear_kernels="auto", weights_mode="fp32"):
+        pair = load_pair("smollm2", dtype, SMOLLM2_MAX_CONTEXT, linear_kernels=linear_kernels, weights_mode=weights_mode)
         draft = rakv.models.layer_prefix_draft(pair.target, pair.target.config.num_hidden_layers)
         return dataclasses.replace(pair, draft=draft,
                                    draft_fingerprint=rakv.models.model_fingerprint(draft, "smollm2-full-depth"))

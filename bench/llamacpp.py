@@ -1,0 +1,244 @@
+"""This engine against llama.cpp on the same GGUF files, one CPU thread.
+
+    python -m bench.llamacpp --build                  # once: builds llama.cpp (about 10 min, one core)
+    python -m bench.llamacpp                          # qwen-coder: 6 HumanEval + 4 prose prompts, 64 tokens
+    python -m bench.llamacpp --weights int8 --code 2 --prose 1
+
+``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
+takes the llama.cpp it vendors and builds ``llama-completion``, ``llama-speculative`` and
+``llama-lookup`` with one job into ``<cache root>/llama.cpp-0.3.36`` (``rakv.model_files``),
+outside the repository. Tests never build it.
+
+Then, in lockstep (each prompt under every configuration before the next prompt), one
+thread each:
+- llama.cpp plain greedy (``llama-completion``), its draft-model speculation
+  (``llama-speculative``) at its default draft maximum and at ``--draft-max`` values, and
+  its prompt lookup (``llama-lookup``);
+- this engine's ``ar``, fixed policies and ``rakv``, in each ``--weights`` mode.
+
+Figures are tokens per second with the prompt included: new tokens over the time from
+the prompt to the last token. llama.cpp's times are its own printed prompt and generation
+times (model loading excluded); the engine's are wall times. It prints the ratios to
+llama.cpp plain greedy and to llama.cpp's best speculative setting, and whether each
+llama.cpp output equals llama.cpp's own greedy output (its arithmetic depends on the
+batch size, so its speculation is not always exact).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VERSION = "0.3.36"
+BINARIES = ("llama-completion", "llama-speculative", "llama-lookup")
+DRAFT_MAX = (2, 4, 8, 16)  # llama-speculative's --draft-max values tried besides its default
+CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+            "-DGGML_OPENMP=OFF", "-DBUILD_SHARED_LIBS=OFF",
+            # Not GGML_NATIVE: on this machine it also compiles ggml's AMX path, which dies of
+            # SIGILL at its first tile instruction; the x86 flags the CPU has, AMX left out.
+            "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+# /proc/cpuinfo flag -> ggml's CMake option, turned on where the CPU has the flag
+X86_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
+               "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+               "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def cpu_options() -> list[str]:
+    """``-DGGML_<X>=ON|OFF`` for each x86 feature ggml can use, from /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ["-DGGML_NATIVE=ON"]  # not Linux: let the compiler detect the CPU
+    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
+    return [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in X86_OPTIONS.items()]
+
+
+def build_root() -> Path:
+    from rakv.model_files import cache_root
+    return cache_root() / f"llama.cpp-{VERSION}"
+
+
+def binary(name: str) -> Path:
+    return build_root() / "build" / "bin" / name
+
+
+def build(jobs: int = 1) -> None:
+    """Download the sdist, extract its vendored llama.cpp, build the three tools."""
+    root = build_root()
+    source = root / "src"
+    if not (source / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"downloading llama-cpp-python=={VERSION} (source)", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                            f"llama-cpp-python=={VERSION}", "-d", tmp, "-q"], check=True)
+            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            partial = root / "src.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            with tarfile.open(sdist) as tar:
+                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+                for m in members:
+                    m.name = m.name[len(prefix):]
+                tar.extractall(partial, members=members, filter="data")
+            partial.replace(source)
+    print(f"building {', '.join(BINARIES)} in {root / 'build'} with {jobs} job(s): about 10 min on one core",
+          file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(root / "build"), *CPU_ONLY, *cpu_options()], check=True,
+                   stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(root / "build"), "-j", str(jobs), "--target", *BINARIES], check=True)
+    missing = [name for name in BINARIES if not binary(name).is_file()]
+    if missing:
+        raise OSError(f"the build made no {', '.join(missing)}")
+    print(f"built: {binary(BINARIES[0]).parent}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One request: new tokens, seconds from the prompt to the last token, the output."""
+
+    num_tokens: int
+    seconds: float
+    text: str
+
+
+def _timing_s(pattern: str, log: str) -> float:
+    found = re.findall(pattern, log)
+    if not found:
+        raise OSError(f"llama.cpp printed no timing matching {pattern!r}; log tail: {log[-400:]!r}")
+    return float(found[-1]) / 1e3
+
+
+def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_tokens: int,
+              extra: tuple[str, ...] = ()) -> Run:
+    """Run one llama.cpp tool greedily on one thread; its own prompt + generation time."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    args = [str(binary(tool)), "-m", str(target), "-f", f.name, "-n", str(num_tokens), "-t", "1", "-tb", "1",
+            "--temp", "0", "--top-k", "1", "--seed", "0", "-c", "2048", "--no-warmup", "--ignore-eos", *extra]
+    if tool == "llama-completion":
+        args += ["-no-cnv", "--no-display-prompt"]
+    if draft is not None:
+        args += ["-md", str(draft), "--threads-draft", "1"]
+    done = subprocess.run(args, capture_output=True, text=True)
+    Path(f.name).unlink()
+    if done.returncode:
+        raise OSError(f"{tool} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
+    log = done.stderr
+    if tool == "llama-completion":
+        seconds = (_timing_s(r"prompt eval time =\s+([\d.]+) ms", log) + _timing_s(r"\beval time =\s+([\d.]+) ms", log))
+        text = done.stdout
+    else:  # speculative and lookup print "encoded N tokens in X seconds" and "decoded N tokens in Y seconds"
+        seconds = (float(re.findall(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)[-1])
+                   + float(re.findall(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)[-1]))
+        text = done.stdout[len(prompt):] if done.stdout.startswith(prompt) else done.stdout
+    return Run(num_tokens, seconds, text)
+
+
+def engine_run(engine, prompt_ids: list[int], num_tokens: int, pair) -> Run:
+    start = time.perf_counter()
+    result = engine.generate(prompt_ids, num_tokens)
+    return Run(len(result.output_ids), time.perf_counter() - start, pair.decode(list(result.output_ids)))
+
+
+@dataclass
+class Tally:
+    runs: dict[str, list[Run]] = field(default_factory=dict)
+
+    def add(self, name: str, run: Run) -> None:
+        self.runs.setdefault(name, []).append(run)
+
+    def tokens_per_s(self, name: str) -> float:
+        runs = self.runs[name]
+        return sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs)
+
+
+def bench(args) -> int:
+    import torch
+    torch.set_num_threads(1)
+    from bench.assisted import workloads
+    from bench.harness import fresh_engine
+    from rakv import model_files
+    from rakv.calibrate import load_or_calibrate
+    from rakv.models import load_pair
+    missing = [name for name in BINARIES if not binary(name).is_file()]
+    if missing:
+        raise OSError(f"llama.cpp is not built ({missing[0]} missing): run python -m bench.llamacpp --build")
+    target, draft = model_files.resolve("qwen-coder-1.5b"), model_files.resolve("qwen-coder-0.5b")
+    modes = args.weights.split(",")
+    pairs = {mode: load_pair("qwen-coder", weights_mode=mode) for mode in modes}
+    engines = {}
+    for mode, pair in pairs.items():
+        timings = load_or_calibrate(pair)
+        for policy in ["ar", *args.fixed.split(","), "rakv"]:
+            engines[f"rakv engine {policy} ({mode})"] = (pair, fresh_engine(pair, policy, timings=timings
+                                                                                  if policy == "rakv" else None))
+    prompts = workloads(pairs[modes[0]], args.code, args.prose)
+    llama = {"llama.cpp greedy": ("llama-completion", None, ()),
+             "llama.cpp lookup": ("llama-lookup", None, ()),
+             "llama.cpp speculative (default)": ("llama-speculative", draft, ())}
+    llama |= {f"llama.cpp speculative --draft-max {n}": ("llama-speculative", draft, ("--draft-max", str(n)))
+              for n in DRAFT_MAX}
+    tallies = {workload: Tally() for workload in prompts}
+    exact = {name: 0 for name in llama}
+    start = time.perf_counter()
+    for workload, prompt_list in prompts.items():
+        for i, ids in enumerate(prompt_list):
+            text = pairs[modes[0]].decode(ids)
+            greedy = None
+            for name, (tool, drafter, extra) in llama.items():
+                run = llama_run(tool, target, drafter, text, args.max_new_tokens, extra)
+                greedy = run.text if greedy is None else greedy
+                exact[name] += run.text.strip() == greedy.strip()
+                tallies[workload].add(name, run)
+            for name, (pair, engine) in engines.items():
+                tallies[workload].add(name, engine_run(engine, ids, args.max_new_tokens, pair))
+            print(f"{workload} prompt {i + 1}/{len(prompt_list)} done ({time.perf_counter() - start:.0f} s)",
+                  file=sys.stderr)
+    num_prompts = sum(map(len, prompts.values()))
+    print(f"qwen-coder, {args.max_new_tokens} new tokens, one thread, lockstep; tok/s with the prompt included")
+    for workload, tally in tallies.items():
+        plain = tally.tokens_per_s("llama.cpp greedy")
+        best_spec = max((n for n in llama if n != "llama.cpp greedy"), key=tally.tokens_per_s)
+        print(f"{workload} ({len(prompts[workload])} prompts): llama.cpp greedy {plain:.2f} tok/s; its best "
+              f"speculative setting: {best_spec} {tally.tokens_per_s(best_spec):.2f}")
+        for name in tally.runs:
+            rate = tally.tokens_per_s(name)
+            same = f"   equals llama.cpp greedy on {exact[name]}/{num_prompts} prompts" if name in exact else ""
+            print(f"  {name:42} {rate:7.2f} tok/s  x{rate / plain:5.2f} llama.cpp greedy  "
+                  f"x{rate / tally.tokens_per_s(best_spec):5.2f} its best speculative{same}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rakv.weights import FP32, INT8
+    p = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--build", action="store_true", help="build llama.cpp (once, outside the repository) and exit")
+    p.add_argument("--jobs", type=int, default=1, help="build jobs (default: 1)")
+    p.add_argument("--code", type=int, default=6, help="HumanEval prompts (default: 6)")
+    p.add_argument("--prose", type=int, default=4, help="prose prompts (default: 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--weights", default=f"{FP32},{INT8}",
+                   help="the engine's modes, comma-separated (default: fp32,int8)")
+    p.add_argument("--fixed", default="spec-k4", help="fixed policies besides ar and rakv (default: spec-k4)")
+    args = p.parse_args(argv)
+    try:
+        if args.build:
+            build(args.jobs)
+            return 0
+        return bench(args)
+    except (ValueError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""A decode step per weights mode (``rakv.weights``): what a forward over T tokens costs,
+where a one-token step's time goes, and the memory each mode holds.
+
+    python -m bench.step                              # qwen-coder target, fp32 and int8
+    python -m bench.step --pair smollm2 --model target
+    python -m bench.step --pair qwen-coder --model draft --context 300 --repeat 7
+
+One torch thread. Each mode's pair is loaded once; for each T the modes alternate
+(lockstep) and each figure is the median of ``--repeat`` forwards over the same cached
+context, rolled back after each. Prints, per mode:
+- ms per forward over T tokens, as a multiple of that mode's one-token step (what
+  verification costs) and of float32's (what the mode gains);
+- the one-token step split by torch.profiler: Linear kernels, attention, other torch ops,
+  and the rest (Python and dispatch: wall time no op accounts for);
+- resident memory, the pair's both models loaded, each mode in a fresh process (``--rss``):
+  the peak, and after loading its anonymous part (the tensors the process holds; the rest
+  are file pages the loader mapped, which the kernel may drop).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+TOKENS = (1, 2, 3, 5, 9, 17)
+LINEAR_OPS = ("qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
+
+
+def forward_ms(model, cache, num_context: int, num_tokens: int) -> float:
+    from rakv.decoding import crop_to, forward
+    ids = [(100 + i) % model.config.vocab_size for i in range(num_tokens)]
+    start = time.perf_counter()
+    forward(model, cache, ids, num_logits=num_tokens)
+    seconds = time.perf_counter() - start
+    crop_to(cache, num_context)
+    return 1e3 * seconds
+
+
+def cached(model, num_context: int):
+    from transformers import DynamicCache
+
+    from rakv.decoding import forward
+    cache = DynamicCache()
+    forward(model, cache, [(100 + i % 1000) % model.config.vocab_size for i in range(num_context)])
+    return cache
+
+
+def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, float]:
+    """A one-token step's wall time split by the profiler's self times (ms, medians)."""
+    from torch.profiler import ProfilerActivity, profile
+    splits = []
+    for _ in range(repeat):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall_ms = forward_ms(model, cache, num_context, 1)
+        split = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
+        for event in prof.key_averages():
+            ms = event.self_cpu_time_total / 1e3
+            if any(op in event.key for op in LINEAR_OPS):
+                split["linear"] += ms
+            elif any(op in event.key for op in ATTENTION_OPS):
+                split["attention"] += ms
+            elif event.key.startswith(("aten::", "onednn::", "mkldnn::")):
+                split["other ops"] += ms
+        split["python and dispatch"] = max(0.0, wall_ms - sum(split.values()))
+        split["wall"] = wall_ms
+        splits.append(split)
+    return {key: statistics.median(s[key] for s in splits) for key in splits[0]}
+
+
+def rss_report(pair_name: str, mode: str, which: str) -> dict:
+    """Load the pair in ``mode`` in this process, run one step; its memory (MiB)."""
+    import resource
+
+    import torch
+    torch.set_num_threads(1)
+    from rakv.models import load_pair
+    pair = load_pair(pair_name, weights_mode=mode)
+    model = pair.target if which == "target" else pair.draft
+    cached(model, 8)
+    with open("/proc/self/status") as status:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "RssAnon"))}
+    return {"mode": mode, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_mib": kib["VmRSS"] / 1024, "anonymous_rss_mib": kib["RssAnon"] / 1024}
+
+
+def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat: int) -> list[str]:
+    import torch
+    torch.set_num_threads(1)
+    from rakv.models import load_pair
+    models = {}
+    for mode in modes:
+        pair = load_pair(pair_name, weights_mode=mode)
+        models[mode] = pair.target if which == "target" else pair.draft
+        if models[mode] is None:
+            raise ValueError(f"{pair_name} has no {which} model")
+        if num_context + max(TOKENS) > pair.max_positions:
+            raise ValueError(f"--context {num_context} leaves no room for {max(TOKENS)} tokens in {pair_name}'s "
+                             f"{pair.max_positions} positions")
+    caches = {mode: cached(model, num_context) for mode, model in models.items()}
+    times = {(mode, t): [] for mode in modes for t in TOKENS}
+    for _ in range(repeat):
+        for t in TOKENS:
+            for mode in modes:
+                times[mode, t].append(forward_ms(models[mode], caches[mode], num_context, t))
+    ms = {key: statistics.median(v) for key, v in times.items()}
+    base = ms[modes[0], 1]
+    lines = [f"{pair_name} {which}: ms per forward over T tokens after {num_context} cached "
+             f"(x the mode's own 1-token step; x {modes[0]}'s step)"]
+    for t in TOKENS:
+        lines.append(f"  T={t:2}  " + "   ".join(f"{mode} {ms[mode, t]:7.1f} ({ms[mode, t] / ms[mode, 1]:4.2f}x; "
+                                                  f"{ms[mode, t] / base:4.2f}x)" for mode in modes))
+    lines.append("one-token step split (ms, torch.profiler self times; medians)")
+    for mode in modes:
+        split = step_split_ms(models[mode], caches[mode], num_context, repeat)
+        lines.append(f"  {mode}: " + ", ".join(f"{key} {value:.1f}" for key, value in split.items()))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rakv.weights import FP32, INT8, WEIGHTS
+    p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--pair", default="qwen-coder")
+    p.add_argument("--model", choices=("target", "draft"), default="target")
+    p.add_argument("--weights", default=f"{FP32},{INT8}", help="modes, comma-separated, the first the baseline "
+                   f"(from {', '.join(WEIGHTS)}; default: fp32,int8)")
+    p.add_argument("--context", type=int, default=300, help="cached tokens before each forward (default: 300)")
+    p.add_argument("--repeat", type=int, default=5, help="forwards per (mode, T) (default: 5)")
+    p.add_argument("--rss", default=None, help=argparse.SUPPRESS)  # internal: one mode's memory, as JSON
+    args = p.parse_args(argv)
+    modes = args.weights.split(",")
+    try:
+        if args.rss:
+            print(json.dumps(rss_report(args.pair, args.rss, args.model)))
+            return 0
+        if bad := [m for m in modes if m not in WEIGHTS]:
+            raise ValueError(f"--weights: unknown mode {bad[0]!r}; choose from {', '.join(WEIGHTS)}")
+        print("\n".join(bench(args.pair, modes, args.model, args.context, args.repeat)), flush=True)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("resident memory, each mode alone in a fresh process (MiB)")
+    for mode in modes:
+        done = subprocess.run([sys.executable, "-m", "bench.step", "--pair", args.pair, "--model", args.model,
+                               "--rss", mode], capture_output=True, text=True)
+        if done.returncode:
+            print(f"  {mode}: failed: {done.stderr.strip().splitlines()[-1:]}")
+            continue
+        rss = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"  {mode}: peak {rss['peak_rss_mib']:.0f}; after loading {rss['rss_mib']:.0f}, of which "
+              f"{rss['anonymous_rss_mib']:.0f} the process's own (the rest: file pages mapped while loading)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
