@@ -3,6 +3,7 @@
     python -m bench.llamacpp --build                  # once: builds llama.cpp (about 10 min, one core)
     python -m bench.llamacpp                          # qwen-coder: 6 HumanEval + 4 prose prompts, 64 tokens
     python -m bench.llamacpp --weights int8 --code 2 --prose 1
+    python -m bench.llamacpp --pair smollm2 --fixed ngram-k4   # no draft GGUF: no llama-speculative
 
 ``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
 takes the llama.cpp it vendors and builds ``llama-completion``, ``llama-speculative`` and
@@ -12,7 +13,7 @@ outside the repository. Tests never build it.
 Then, in lockstep (each prompt under every configuration before the next prompt), one
 thread each:
 - llama.cpp plain greedy (``llama-completion``), its draft-model speculation
-  (``llama-speculative``) at its default draft maximum and at ``--draft-max`` values, and
+  (``llama-speculative``) at its default draft maximum (3) and at 2, 4, 8 and 16, and
   its prompt lookup (``llama-lookup``);
 - this engine's ``ar``, fixed policies and ``rakv``, in each ``--weights`` mode.
 
@@ -37,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 VERSION = "0.3.36"
+GGUFS = {"qwen-coder": ("qwen-coder-1.5b", "qwen-coder-0.5b"), "smollm2": ("smollm2", None)}  # target, draft
 BINARIES = ("llama-completion", "llama-speculative", "llama-lookup")
-DRAFT_MAX = (2, 4, 8, 16)  # llama-speculative's --draft-max values tried besides its default
+DRAFT_MAX = (2, 4, 8, 16)  # llama-speculative's --spec-draft-n-max values tried besides its default (3)
 CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
             "-DGGML_OPENMP=OFF", "-DBUILD_SHARED_LIBS=OFF",
             # Not GGML_NATIVE: on this machine it also compiles ggml's AMX path, which dies of
@@ -121,7 +123,7 @@ def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_toke
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     args = [str(binary(tool)), "-m", str(target), "-f", f.name, "-n", str(num_tokens), "-t", "1", "-tb", "1",
-            "--temp", "0", "--top-k", "1", "--seed", "0", "-c", "2048", "--no-warmup", "--ignore-eos", *extra]
+            "--temp", "0", "--top-k", "1", "--seed", "0", "-c", "2048", "--ignore-eos", *extra]
     if tool == "llama-completion":
         args += ["-no-cnv", "--no-display-prompt"]
     if draft is not None:
@@ -134,10 +136,16 @@ def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_toke
     if tool == "llama-completion":
         seconds = (_timing_s(r"prompt eval time =\s+([\d.]+) ms", log) + _timing_s(r"\beval time =\s+([\d.]+) ms", log))
         text = done.stdout
-    else:  # speculative and lookup print "encoded N tokens in X seconds" and "decoded N tokens in Y seconds"
-        seconds = (float(re.findall(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)[-1])
-                   + float(re.findall(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)[-1]))
-        text = done.stdout[len(prompt):] if done.stdout.startswith(prompt) else done.stdout
+    else:  # speculative and lookup print "encoded N tokens in X seconds" and "decoded N tokens in Y seconds";
+        # they may decode past -n (an accepted draft's tail), so the count is theirs, and they echo the prompt
+        encoded = re.findall(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        decoded = re.findall(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+        if not encoded or not decoded:
+            raise OSError(f"{tool} printed no encode/decode timing; log tail: {log[-400:]!r}")
+        seconds = float(encoded[-1]) + float(decoded[-1][1])
+        num_tokens = int(decoded[-1][0])
+        at = done.stdout.find(prompt)
+        text = done.stdout[at + len(prompt):] if at >= 0 else done.stdout
     return Run(num_tokens, seconds, text)
 
 
@@ -170,9 +178,9 @@ def bench(args) -> int:
     missing = [name for name in BINARIES if not binary(name).is_file()]
     if missing:
         raise OSError(f"llama.cpp is not built ({missing[0]} missing): run python -m bench.llamacpp --build")
-    target, draft = model_files.resolve("qwen-coder-1.5b"), model_files.resolve("qwen-coder-0.5b")
+    target, draft = (None if name is None else model_files.resolve(name) for name in GGUFS[args.pair])
     modes = args.weights.split(",")
-    pairs = {mode: load_pair("qwen-coder", weights_mode=mode) for mode in modes}
+    pairs = {mode: load_pair(args.pair, weights_mode=mode) for mode in modes}
     engines = {}
     for mode, pair in pairs.items():
         timings = load_or_calibrate(pair)
@@ -183,10 +191,12 @@ def bench(args) -> int:
     llama = {"llama.cpp greedy": ("llama-completion", None, ()),
              "llama.cpp lookup": ("llama-lookup", None, ()),
              "llama.cpp speculative (default)": ("llama-speculative", draft, ())}
-    llama |= {f"llama.cpp speculative --draft-max {n}": ("llama-speculative", draft, ("--draft-max", str(n)))
+    llama |= {f"llama.cpp speculative draft max {n}": ("llama-speculative", draft, ("--spec-draft-n-max", str(n)))
               for n in DRAFT_MAX}
+    if draft is None:  # a layer-prefix draft has no file of its own
+        llama = {name: run for name, run in llama.items() if run[0] != "llama-speculative"}
     tallies = {workload: Tally() for workload in prompts}
-    exact = {name: 0 for name in llama}
+    exact = {name: 0 for name in llama if name != "llama.cpp greedy"}
     start = time.perf_counter()
     for workload, prompt_list in prompts.items():
         for i, ids in enumerate(prompt_list):
@@ -194,15 +204,17 @@ def bench(args) -> int:
             greedy = None
             for name, (tool, drafter, extra) in llama.items():
                 run = llama_run(tool, target, drafter, text, args.max_new_tokens, extra)
-                greedy = run.text if greedy is None else greedy
-                exact[name] += run.text.strip() == greedy.strip()
+                if greedy is None:  # the first is plain greedy, the reference
+                    greedy = run.text
+                else:  # a speculative tool may run past -n: its output must start with greedy's
+                    exact[name] += run.text.strip().startswith(greedy.strip())
                 tallies[workload].add(name, run)
             for name, (pair, engine) in engines.items():
                 tallies[workload].add(name, engine_run(engine, ids, args.max_new_tokens, pair))
             print(f"{workload} prompt {i + 1}/{len(prompt_list)} done ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr)
     num_prompts = sum(map(len, prompts.values()))
-    print(f"qwen-coder, {args.max_new_tokens} new tokens, one thread, lockstep; tok/s with the prompt included")
+    print(f"{args.pair}, {args.max_new_tokens} new tokens, one thread, lockstep; tok/s with the prompt included")
     for workload, tally in tallies.items():
         plain = tally.tokens_per_s("llama.cpp greedy")
         best_spec = max((n for n in llama if n != "llama.cpp greedy"), key=tally.tokens_per_s)
@@ -221,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--pair", choices=sorted(GGUFS), default="qwen-coder")
     p.add_argument("--build", action="store_true", help="build llama.cpp (once, outside the repository) and exit")
     p.add_argument("--jobs", type=int, default=1, help="build jobs (default: 1)")
     p.add_argument("--code", type=int, default=6, help="HumanEval prompts (default: 6)")
