@@ -15,28 +15,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-TOKENS = (1, 2, 3, 5, 9, 17)
-
-
-def forward_ms(model, cache, num_context: int, num_tokens: int) -> float:
-    from rakv.decoding import crop_to, forward
-    ids = [100 + i for i in range(num_tokens)]
-    start = time.perf_counter()
-    forward(model, cache, ids, num_logits=num_tokens)
-    seconds = time.perf_counter() - start
-    crop_to(cache, num_context)
-    return 1e3 * seconds
+from bench.step import TOKENS
 
 
 def bench_model(model, label: str, num_context: int, repeat: int) -> list[str]:
-    from transformers import DynamicCache
-
+    from bench.step import cached, forward_ms
     from rakv.cpu_linear import stock_linears
-    from rakv.decoding import forward
-    cache = DynamicCache()
-    forward(model, cache, [100 + i % 1000 for i in range(num_context)])
+    cache = cached(model, num_context)
     times = {(kernels, t): [] for kernels in ("stock", "onednn") for t in TOKENS}
     for _ in range(repeat):
         for t in TOKENS:
