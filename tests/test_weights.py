@@ -55,7 +55,9 @@ def test_int8_rows_are_bit_identical_for_1_to_32_rows(kind):
     with torch.no_grad():
         full = layer(x)
         torch.testing.assert_close(full, linear(x), rtol=0.05, atol=0.05 * float(linear(x).abs().max()))
-        for rows in range(1, MAX_ROWS):
+        # a vocabulary head (up to 233 M weights) checks the row counts where kernels switch
+        counts = range(1, MAX_ROWS) if in_features * out_features < 50_000_000 else (1, 2, 3, 4, 5, 8, 9, 16, 17, 31)
+        for rows in counts:
             assert torch.equal(layer(x[:rows]), full[:rows]), f"{rows} rows"
             assert torch.equal(layer(x[rows:rows + 1])[0], full[rows]), f"row {rows} alone"
         assert layer(x.view(2, MAX_ROWS // 2, in_features)).shape == (2, MAX_ROWS // 2, out_features)
