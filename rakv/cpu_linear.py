@@ -28,6 +28,8 @@ import dataclasses
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from rakv.weights import FP32
+
 if TYPE_CHECKING:
     import torch
 
@@ -80,7 +82,10 @@ def choose_kernels(choice: str, models) -> str:
 
 def with_kernels(pair, choice: str):
     """``pair`` (a ``rakv.models.ModelPair``) on the kernels ``choose_kernels`` picks:
-    its models' Linear layers packed in place for oneDNN."""
+    its models' float32 Linear layers packed in place for oneDNN (quantized ones, which
+    ``rakv.weights`` gave a forward of their own, are left as they are)."""
+    if pair.weights != FP32 and choice == STOCK:
+        raise ValueError(f"--linear-kernels stock is for fp32 weights; {pair.weights} weights run on oneDNN")
     kernels = choose_kernels(choice, (pair.target, pair.draft))
     if kernels == ONEDNN:
         for model in (pair.target, pair.draft):
