@@ -2,7 +2,7 @@
 
     python -m bench.llamacpp --build                  # once: builds llama.cpp (about 10 min, one core)
     python -m bench.llamacpp                          # qwen-coder: 6 HumanEval + 4 prose prompts, 64 tokens
-    python -m bench.llamacpp --weights int8 --code 2 --prose 1
+    python -m bench.llamacpp --weights int4 --code 2 --prose 1
     python -m bench.llamacpp --pair smollm2 --fixed ngram-k4   # no draft GGUF: no llama-speculative
 
 ``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
@@ -229,7 +229,7 @@ def bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rakv.weights import FP32, INT8
+    from rakv.weights import FP32, INT4, INT8
     p = argparse.ArgumentParser(prog="python -m bench.llamacpp", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code", type=int, default=6, help="HumanEval prompts (default: 6)")
     p.add_argument("--prose", type=int, default=4, help="prose prompts (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--weights", default=f"{FP32},{INT8}",
-                   help="the engine's modes, comma-separated (default: fp32,int8)")
+    p.add_argument("--weights", default=f"{FP32},{INT8},{INT4}",
+                   help="the engine's modes, comma-separated (default: fp32,int8,int4)")
     p.add_argument("--fixed", default="spec-k4", help="fixed policies besides ar and rakv (default: spec-k4)")
     args = p.parse_args(argv)
     try:

@@ -1,7 +1,7 @@
 """A decode step per weights mode (``rakv.weights``): what a forward over T tokens costs,
 where a one-token step's time goes, and the memory each mode holds.
 
-    python -m bench.step                              # qwen-coder target, fp32 and int8
+    python -m bench.step                              # qwen-coder target, fp32, int8 and int4
     python -m bench.step --pair smollm2 --model target
     python -m bench.step --pair qwen-coder --model draft --context 300 --repeat 7
 
@@ -26,7 +26,7 @@ import sys
 import time
 
 TOKENS = (1, 2, 3, 5, 9, 17)
-LINEAR_OPS = ("qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
+LINEAR_OPS = ("rakv_int4_linear", "qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 
@@ -51,11 +51,26 @@ def cached(model, num_context: int):
 
 def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, float]:
     """A one-token step's wall time split by the profiler's self times (ms, medians)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rakv.int4 import Int4Forward
     splits = []
+    int4_modules = [m for m in model.modules() if isinstance(vars(m).get("_rakv_quantized"), Int4Forward)]
+
+    def labelled(forward):  # the int4 kernel is a C call the profiler cannot see: name it
+        def run(x):
+            with record_function("rakv_int4_linear"):
+                return forward(x)
+        return run
     for _ in range(repeat):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall_ms = forward_ms(model, cache, num_context, 1)
+        for module in int4_modules:
+            module.forward = labelled(module._rakv_quantized)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                wall_ms = forward_ms(model, cache, num_context, 1)
+        finally:
+            for module in int4_modules:
+                module.forward = module._rakv_quantized
         split = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
         for event in prof.key_averages():
             ms = event.self_cpu_time_total / 1e3
@@ -121,14 +136,14 @@ def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rakv.weights import FP32, INT8, WEIGHTS
+    from rakv.weights import FP32, INT4, INT8, WEIGHTS
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--pair", default="qwen-coder")
     p.add_argument("--model", choices=("target", "draft"), default="target")
-    p.add_argument("--weights", default=f"{FP32},{INT8}", help="modes, comma-separated, the first the baseline "
-                   f"(from {', '.join(WEIGHTS)}; default: fp32,int8)")
+    p.add_argument("--weights", default=f"{FP32},{INT8},{INT4}", help="modes, comma-separated, the first the "
+                   f"baseline (from {', '.join(WEIGHTS)}; default: fp32,int8,int4)")
     p.add_argument("--context", type=int, default=300, help="cached tokens before each forward (default: 300)")
     p.add_argument("--repeat", type=int, default=5, help="forwards per (mode, T) (default: 5)")
     p.add_argument("--rss", default=None, help=argparse.SUPPRESS)  # internal: one mode's memory, as JSON

@@ -241,11 +241,11 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         target_fingerprint=model_fingerprint(target, sources[0]),
         draft_fingerprint=None if draft is None else model_fingerprint(draft, sources[1]),
         max_positions=context_limit(target, draft, max_context), eos_token_ids=eos_ids_of(target))
-    # only auto asks what the checkpoint holds: reading a GGUF's tensor table is not free
-    quantized_source = weights_mode == weights.AUTO and any(
-        f.suffix == ".gguf" and weights.gguf_is_quantized(f) for f in files)
+    gguf = [f if f.suffix == ".gguf" else None for f in files] + [None, None]
+    if spec == "smollm2":
+        gguf[1] = None  # the layer-prefix draft's layers are the target's
     try:
-        return cpu_linear.with_kernels(weights.with_weights(pair, weights_mode, quantized_source), linear_kernels)
+        return cpu_linear.with_kernels(weights.with_weights(pair, weights_mode, tuple(gguf[:2])), linear_kernels)
     except ValueError as exc:
         raise PairError(str(exc)) from None
 

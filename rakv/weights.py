@@ -22,36 +22,46 @@ Invariants:
   T tokens and T one-token forwards would now and then flip a rounding, and a greedy token.
   float32 keeps PyTorch's attention: there those differences stay at 1e-7 and have never
   flipped a token in the test suite, and its shipped traces were timed with it.
-- **No float32 copy.** A quantized Linear's float32 weight is dropped (its parameter is
+- **No float32 copy.** In int4, an embedding the GGUF stores in 4-bit groups runs on them
+  (``int4.GroupedEmbedding``: the same bits, a quarter of the memory).
+  A quantized Linear's float32 weight is dropped (its parameter is
   set to None); a weight tied to an embedding stays, as the embedding's. The quantized
   layer is a forward set on the module instance, as ``rakv.cpu_linear``'s packed one is,
   so Hugging Face's own ``generate`` runs the same layers (the reference for outputs).
 - Inference only, on the CPU. Importing this module loads no torch (the command lines take
   ``WEIGHTS`` from here before parsing).
 
-``auto`` follows the checkpoint: a GGUF file with quantized tensors (4, 5, 6 or 8 bits)
-runs as int8, anything else as float32. Its 4-bit tensors run as int8 too: per-channel
-int8 re-quantizes them (another model again), and an int4 kernel whose rows stay exact
-and whose cost stays flat over a few rows does not exist in torch 2.13 (issue 18).
+``int4`` holds each Linear's weight in groups of 32 inputs, w = a * q + b with 4-bit q
+(``rakv.int4``): a GGUF's 4-bit tensors as the file stores them (``rakv.gguf_groups``), its
+5, 6 and 8-bit ones as int8 per channel (4 bits would lose what the file holds), and float
+weights quantized between each group's min and max. Which layer runs how is part of the
+int4 fingerprint.
+
+``auto`` follows the checkpoint: a GGUF file with 4-bit tensors runs as int4 (int8 where
+the int4 kernel cannot be built here, with a warning), one with other quantized tensors
+as int8, anything else as float32.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-AUTO, FP32, INT8 = "auto", "fp32", "int8"
-WEIGHTS = (AUTO, FP32, INT8)  # the choices of --weights
+AUTO, FP32, INT8, INT4 = "auto", "fp32", "int8", "int4"
+WEIGHTS = (AUTO, FP32, INT8, INT4)  # the choices of --weights
 # A change in how a mode quantizes is a new model: bump its tag and every fingerprint moves.
-FORMATS = {INT8: "int8: per-channel symmetric weights, per-row dynamic symmetric activations, v1"}
-WEIGHTS_HELP = ("precision of the Linear layers: int8 streams a quarter of float32's bytes a step (per-channel "
-                "int8 weights, per-row int8 activations; rows stay exact, outputs are int8's own); fp32 as "
-                "loaded; auto: int8 for a quantized GGUF, fp32 otherwise (default: fp32, the mode the shipped "
-                "traces and policies were recorded in)")
+FORMATS = {INT8: "int8: per-channel symmetric weights, per-row dynamic symmetric activations, v1",
+           INT4: "int4: groups of 32, w = a q + b, per-group symmetric int8 activations, v1"}
+WEIGHTS_HELP = ("precision of the Linear layers (rows stay exact; each mode is its own model): int4 runs a "
+                "GGUF's 4-bit groups as stored (5-8 bit tensors as int8, float ones quantized to 4-bit groups); "
+                "int8 per-channel int8 weights, per-row int8 activations; fp32 as loaded; auto: int4 for a GGUF "
+                "with 4-bit tensors, int8 for another quantized GGUF, fp32 otherwise (default: fp32, the mode "
+                "the shipped traces and policies were recorded in)")
 DEFAULT_WEIGHTS = FP32
 QMAX = 127  # symmetric: -127..127, so negating a value never overflows
 TINY = 1e-30  # the scale of an all-zero row or channel: its integers are all 0 anyway
@@ -103,59 +113,102 @@ class Int8Forward:
 
 
 def quantizable(model) -> bool:
-    """Whether ``model`` can run int8 here: float weights on a CPU with oneDNN."""
+    """Whether ``model`` can run int8 or int4 here: float weights on a CPU with oneDNN."""
     import torch
     param = next(model.parameters())
     return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64)
             and torch.backends.mkldnn.is_available())
 
 
-def quantize_linears(model) -> None:
-    """Give every Linear of ``model`` an int8 forward and drop its float32 weight (once:
-    modules shared with another model, like a layer-prefix draft's, are quantized once)."""
+def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
+    """Give every Linear of ``model`` a forward in ``mode`` and drop its float32 weight;
+    returns how each one runs ("name=int8", "name=int4:Q4_K", ...), in module order.
+    ``stored``: ``rakv.gguf_groups.stored_linears`` of the model's GGUF, or {}. Modules
+    shared with another model (a layer-prefix draft's) are quantized once."""
     import torch
+    from rakv import int4
+    from rakv.gguf_groups import PLAIN
+    plan = []
     with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and "_rakv_int8" not in vars(module):
-                module.forward = module._rakv_int8 = Int8Forward(module)
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Embedding) and isinstance(stored.get(name), int4.GroupedWeight) \
+                    and mode == INT4 and "_rakv_quantized" not in vars(module):
+                # the same bits in a quarter of the memory: not another model, so not in the plan
+                module.forward = module._rakv_quantized = int4.GroupedEmbedding(stored[name])
+                module.register_parameter("weight", None)
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if "_rakv_quantized" not in vars(module):
+                source = stored.get(name)
+                if mode == INT4 and isinstance(source, int4.GroupedWeight):
+                    forward = int4.Int4Forward(module, source)
+                elif mode == INT4 and source not in PLAIN and source is not None:
+                    forward = Int8Forward(module)  # 5-8 bits: int8 keeps what the file holds
+                elif mode == INT4 and int4.packable(module.weight.shape):
+                    forward = int4.Int4Forward(module, int4.quantize_groups(module.weight))
+                else:
+                    forward = Int8Forward(module)
+                module.forward = module._rakv_quantized = forward
                 module.register_parameter("weight", None)
                 module.register_parameter("bias", None)
+            forward = module._rakv_quantized
+            plan.append(f"{name}={'int4:' + forward.source if isinstance(forward, int4.Int4Forward) else INT8}")
+    return tuple(plan)
 
 
-def gguf_is_quantized(path: Path) -> bool:
-    """Whether a GGUF file holds quantized tensors (anything but F32, F16, BF16)."""
-    import gguf
-    plain = {"F32", "F16", "BF16", "F64"}
-    return any(t.tensor_type.name not in plain for t in gguf.GGUFReader(str(path)).tensors)
-
-
-def choose_weights(choice: str, quantized_source: bool, models) -> str:
+def choose_weights(choice: str, stored_kinds, models) -> str:
     """The mode ``choice`` means for these models; raises ValueError (one line) where it
-    cannot run. ``quantized_source``: the checkpoint is a quantized GGUF."""
+    cannot run. ``stored_kinds``: how the checkpoint stores its Linear weights (GGUF type
+    names, or ``GroupedWeight``s for 4-bit groups it matched); empty for a float one."""
+    from rakv import int4
+    from rakv.gguf_groups import PLAIN
     if choice not in WEIGHTS:
         raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {choice!r}")
-    mode = (INT8 if quantized_source else FP32) if choice == AUTO else choice
-    if mode == INT8 and not all(quantizable(m) for m in models if m is not None):
-        raise ValueError("--weights int8 needs float32 or float64 models on a CPU with oneDNN")
+    mode = choice
+    if choice == AUTO:
+        four_bit = any(isinstance(k, int4.GroupedWeight) for k in stored_kinds)
+        quantized = four_bit or any(isinstance(k, str) and k not in PLAIN for k in stored_kinds)
+        mode = INT4 if four_bit else INT8 if quantized else FP32
+    if mode != FP32 and not all(quantizable(m) for m in models if m is not None):
+        raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU with oneDNN")
+    if mode == INT4:
+        try:
+            int4.kernel()
+        except int4.KernelUnavailable as exc:
+            if choice != AUTO:
+                raise
+            print(f"warning: {exc}; running int8 instead", file=sys.stderr)
+            return INT8
     return mode
 
 
-def tagged(fingerprint: str | None, mode: str) -> str | None:
-    """The fingerprint of a model in ``mode``, from its float32 fingerprint."""
+def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = ()) -> str | None:
+    """The fingerprint of a model in ``mode``, from its float32 fingerprint; ``plan``: how
+    each Linear runs in int4 (``quantize_linears``), which makes it another model."""
     if fingerprint is None or mode == FP32:
         return fingerprint
-    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}".encode(), digest_size=16).hexdigest()
+    detail = "|" + ";".join(plan) if mode == INT4 else ""
+    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}{detail}".encode(), digest_size=16).hexdigest()
 
 
-def with_weights(pair, choice: str, quantized_source: bool = False):
+def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] = (None, None)):
     """``pair`` (a ``rakv.models.ModelPair``) in the mode ``choose_weights`` picks: its
-    Linear layers quantized in place, its fingerprints tagged with the mode."""
-    mode = choose_weights(choice, quantized_source, (pair.target, pair.draft))
-    if mode == INT8:
+    Linear layers quantized in place, its fingerprints tagged with the mode and plan.
+    ``gguf_paths``: the GGUF file each of target and draft was loaded from, or None (a
+    float checkpoint, or a draft that shares the target's layers)."""
+    models = (pair.target, pair.draft)
+    stored = [{}, {}]
+    if choice in (AUTO, INT4):
+        from rakv.gguf_groups import stored_linears
+        stored = [stored_linears(path, model) if path is not None and model is not None else {}
+                  for path, model in zip(gguf_paths, models)]
+    mode = choose_weights(choice, [k for s in stored for k in s.values()], models)
+    plans = [(), ()]
+    if mode != FP32:
         from rakv.row_attention import use_row_exact_attention
-        for model in (pair.target, pair.draft):
+        plans = [quantize_linears(model, mode, s) if model is not None else () for model, s in zip(models, stored)]
+        for model in models:
             if model is not None:
-                quantize_linears(model)
                 use_row_exact_attention(model)
-    return dataclasses.replace(pair, weights=mode, target_fingerprint=tagged(pair.target_fingerprint, mode),
-                               draft_fingerprint=tagged(pair.draft_fingerprint, mode))
+    return dataclasses.replace(pair, weights=mode, target_fingerprint=tagged(pair.target_fingerprint, mode, plans[0]),
+                               draft_fingerprint=tagged(pair.draft_fingerprint, mode, plans[1]))

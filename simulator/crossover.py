@@ -86,16 +86,23 @@ def markdown(rows: list[Crossover], source: str, context: int) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.context < 1:
         raise ValueError(f"--context must be at least 1, got {args.context}")
-    timing = load_timing(args.timing, None)
-    print(markdown(crossovers(timing, args.context), timing.source, args.context))
+    timings = [load_timing(path, None) for path in args.timing]
+    print("\n\n".join(markdown(crossovers(t, args.context), t.source, args.context) for t in timings))
+    if args.plot:
+        from simulator.plots import plot_crossovers
+        print(f"wrote {plot_crossovers(args.plot, timings, args.context)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m simulator.crossover",
-                                description="Print, per drafter and k, the acceptance above which speculation pays.")
-    p.add_argument("--timing", type=Path, required=True, help="a trace directory with an ops table")
+                                description="Print, per drafter and k, the acceptance above which speculation pays; "
+                                "several timing traces (say one per weights mode) side by side.")
+    p.add_argument("--timing", type=Path, action="append", required=True,
+                   help="a trace directory with an ops table; repeat it to compare machines or weights modes")
     p.add_argument("--context", type=int, default=256, help="tokens already in the cache (default: 256)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="also write a PNG: per drafter, each timing's plain step and best-k time per token")
     return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, OSError))
 
 

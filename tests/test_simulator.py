@@ -104,12 +104,17 @@ def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
     assert set(report["policies"]["rakv"]) >= {"e2e_mape", "ttft_mape", "round_mismatches"} and "spearman" in report
 
 
-def test_crossover_and_paper_commands(trace, capsys):
+def test_crossover_and_paper_commands(trace, capsys, tmp_path):
     from simulator.crossover import main as crossover_main
     from simulator.paper import main as paper_main
     assert crossover_main(["--timing", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "| ngram | 8 |" in out and "| draft | 1 |" in out
+    # two timings (say two weights modes) side by side, and their figure
+    plot = tmp_path / "modes.png"
+    assert crossover_main(["--timing", str(trace), "--timing", "traces/smollm2-general-int8", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-general-int8: plain step" in out and plot.stat().st_size > 10_000
     assert paper_main([]) == 0  # the shipped traces
     out = capsys.readouterr().out
     assert "| paper (Joint-k4 and KV-only baselines) |" in out

@@ -1,7 +1,7 @@
-"""Weights modes (rakv.weights): int8 rows that never mix for every Linear kind of both
-real pairs and the tiny one, attention rows that never mix (rakv.row_attention), an engine
-whose outputs equal HF greedy on the int8 model under every policy, and a mode that is
-part of the model's identity."""
+"""Weights modes (rakv.weights): int8 and int4 rows that never mix for every Linear kind
+of both real pairs and the tiny one, attention rows that never mix (rakv.row_attention),
+an engine whose outputs equal HF greedy on the quantized model under every policy, and a
+mode that is part of the model's identity."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,8 @@ from rakv.calibrate import calibration_path
 from rakv.decoding import forward
 from rakv.engine import Engine
 from rakv.models import PairError, load_pair
-from rakv.weights import FP32, INT8, Int8Forward
+from rakv.int4 import Int4Forward, quantize_groups
+from rakv.weights import FP32, INT4, INT8, Int8Forward
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -40,9 +41,18 @@ def int8_tiny():
     return load_pair("tiny", dtype="float32", weights_mode=INT8)  # float32: CPU attention is slow in float64
 
 
+@pytest.fixture(scope="module")
+def int4_tiny():
+    return load_pair("tiny", dtype="float32", weights_mode=INT4)
+
+
+QUANTIZED = {INT8: Int8Forward, INT4: lambda linear: Int4Forward(linear, quantize_groups(linear.weight))}
+
+
+@pytest.mark.parametrize("mode", [INT8, INT4])
 @pytest.mark.parametrize("kind", sorted(linear_kinds("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
                                         | TINY_LINEAR_KINDS))
-def test_int8_rows_are_bit_identical_for_1_to_32_rows(kind):
+def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
     """Every Linear kind of SmolLM2, both Qwen models and the tiny pair: a row's result is
     the same bits whether it runs alone or with up to 31 others (padding included)."""
     in_features, out_features, bias = kind
@@ -50,11 +60,12 @@ def test_int8_rows_are_bit_identical_for_1_to_32_rows(kind):
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     if bias:
         torch.nn.init.normal_(linear.bias)
-    layer = Int8Forward(linear)
+    layer = QUANTIZED[mode](linear)
     x = torch.randn(MAX_ROWS, in_features) * torch.linspace(0.1, 10.0, MAX_ROWS)[:, None]  # rows of other scales
     with torch.no_grad():
         full = layer(x)
-        torch.testing.assert_close(full, linear(x), rtol=0.05, atol=0.05 * float(linear(x).abs().max()))
+        error = 0.05 if mode == INT8 else 0.2  # 4 bits: tests/test_int4.py checks the kernel's own arithmetic
+        torch.testing.assert_close(full, linear(x), rtol=error, atol=error * float(linear(x).abs().max()))
         # a vocabulary head (up to 233 M weights) checks the row counts where kernels switch
         counts = range(1, MAX_ROWS) if in_features * out_features < 50_000_000 else (1, 2, 3, 4, 5, 8, 9, 16, 17, 31)
         for rows in counts:
@@ -63,17 +74,21 @@ def test_int8_rows_are_bit_identical_for_1_to_32_rows(kind):
         assert layer(x.view(2, MAX_ROWS // 2, in_features)).shape == (2, MAX_ROWS // 2, out_features)
 
 
-def test_int8_is_another_model(int8_tiny):
+def test_each_mode_is_another_model(int8_tiny, int4_tiny):
     fp32 = load_pair("tiny", dtype="float32")
-    assert (fp32.weights, int8_tiny.weights) == (FP32, INT8)
-    assert int8_tiny.target_fingerprint != fp32.target_fingerprint
-    assert int8_tiny.draft_fingerprint != fp32.draft_fingerprint
-    assert calibration_path(int8_tiny) != calibration_path(fp32)
+    assert (fp32.weights, int8_tiny.weights, int4_tiny.weights) == (FP32, INT8, INT4)
+    for quantized in (int8_tiny, int4_tiny):
+        assert quantized.target_fingerprint != fp32.target_fingerprint
+        assert quantized.draft_fingerprint != fp32.draft_fingerprint
+        assert calibration_path(quantized) != calibration_path(fp32)
+    assert int4_tiny.target_fingerprint != int8_tiny.target_fingerprint
     assert load_pair("tiny", weights_mode="auto").weights == FP32  # not a quantized checkpoint
     assert {(m.in_features, m.out_features, m.bias is not None) for model in (fp32.target, fp32.draft)
             for m in model.modules() if isinstance(m, torch.nn.Linear)} == TINY_LINEAR_KINDS
-    linears = [m for m in int8_tiny.target.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(m.weight is None and "_rakv_int8" in vars(m) for m in linears)  # no float32 copy
+    for quantized, kind in ((int8_tiny, Int8Forward), (int4_tiny, Int4Forward)):
+        linears = [m for m in quantized.target.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.weight is None and isinstance(m._rakv_quantized, kind)  # no float32 copy
+                               for m in linears)
 
 
 def test_modes_that_cannot_run_are_one_line_errors():
@@ -81,30 +96,35 @@ def test_modes_that_cannot_run_are_one_line_errors():
         load_pair("tiny", dtype="float16", weights_mode=INT8)
     with pytest.raises(PairError, match="--linear-kernels stock is for fp32 weights"):
         load_pair("tiny", dtype="float32", weights_mode=INT8, linear_kernels="stock")
-    with pytest.raises(PairError, match="--weights must be one of auto, fp32, int8"):
+    with pytest.raises(PairError, match="--weights int4 needs float32 or float64 models"):
+        load_pair("tiny", dtype="float16", weights_mode=INT4)
+    with pytest.raises(PairError, match="--weights must be one of auto, fp32, int8, int4"):
         load_pair("tiny", weights_mode="int3")
 
 
-def test_int8_engine_matches_hf_greedy_under_every_policy(int8_tiny):
-    oracle = {text: hf_greedy(int8_tiny, int8_tiny.encode(text), 24) for text in TEXTS}
+@pytest.mark.parametrize("mode", [INT8, INT4])
+def test_quantized_engine_matches_hf_greedy_under_every_policy(int8_tiny, int4_tiny, mode):
+    pair = {INT8: int8_tiny, INT4: int4_tiny}[mode]
+    oracle = {text: hf_greedy(pair, pair.encode(text), 24) for text in TEXTS}
     for name in ALL_POLICIES:
-        engine = Engine(int8_tiny, policy_for(name, int8_tiny))
+        engine = Engine(pair, policy_for(name, pair))
         for text in TEXTS:
-            assert list(engine.generate(int8_tiny.encode(text), 24).output_ids) == oracle[text], (name, text)
+            assert list(engine.generate(pair.encode(text), 24).output_ids) == oracle[text], (mode, name, text)
 
 
-@pytest.fixture(scope="module")
-def int8_smollm2():
-    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="auto")
+@pytest.fixture(scope="module", params=[INT8, "auto"])
+def quantized_smollm2(request):
+    """SmolLM2 in int8, and in auto: int4, its Q4_1 groups as the GGUF stores them."""
+    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=request.param)
 
 
 @pytest.mark.slow
-def test_smollm2_int8_forward_rows_never_mix(int8_smollm2):
+def test_smollm2_quantized_forward_rows_never_mix(quantized_smollm2):
     """A verification forward over 6 tokens equals 6 one-token steps, and a prompt prefilled
     in one piece equals it after a stored prefix, bit for bit."""
     from transformers import DynamicCache
-    pair = int8_smollm2
-    assert pair.weights == INT8  # auto: the GGUF is quantized
+    pair = quantized_smollm2
+    assert pair.weights in (INT8, INT4)
     ids = pair.encode("The cache keeps keys and values in a specific order, and the store")
     whole = forward(pair.target, DynamicCache(), ids, num_logits=6)
     split_cache, steps_cache = DynamicCache(), DynamicCache()
@@ -117,8 +137,8 @@ def test_smollm2_int8_forward_rows_never_mix(int8_smollm2):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy_name", ["spec-k8", "joint-ngram-k8", "rakv"])
-def test_smollm2_int8_matches_hf_greedy_and_rounds_replay(int8_smollm2, policy_name):
-    pair = int8_smollm2
+def test_smollm2_quantized_matches_hf_greedy_and_rounds_replay(quantized_smollm2, policy_name):
+    pair = quantized_smollm2
     prompts = [pair.encode(text) for text in TEXTS]
     results, planners = run_mix(pair, policy_name, prompts, 24)
     for prompt, result in zip(prompts, results):

@@ -1,0 +1,238 @@
+"""int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once.
+
+A weight is 4-bit integers in groups of ``GROUP`` inputs, each group with a scale and an
+offset: w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, a and b 8-bit steps of float
+units shared by a few groups. GGUF's Q4_0, Q4_1 and Q4_K tensors are all of this form, so
+``rakv.gguf_groups`` hands them over as they are stored; float weights are quantized here
+(each group between its min and max, the steps and units as Q4_K keeps them).
+The input is quantized per row and group to int8 (llama.cpp's Q8_0), and the kernel
+multiplies 4-bit by 8-bit into int32 sums (AVX-512 VNNI where the CPU has it).
+
+Why a kernel of our own: torch 2.13's int4 op (``_weight_int4pack_mm_for_cpu``) re-reads
+the weights for every row, so verifying 8 tokens cost 3.4 steps, and torchao 0.18's CPU
+wheel ships no x86 kernels for it. This one reads each weight block once for up to 8 rows.
+
+Invariants:
+- **Rows never mix, bit for bit**, on either of the kernel's paths and whichever rows and
+  threads run together (the kernel's comment says why); tests/test_int4.py checks it.
+- **Built once, never silently different.** The library is compiled from the source with
+  the system C compiler into the cache (``<cache root>/kernels/``), keyed by the source,
+  the compiler and the flags, written atomically. Where it cannot be built, ``kernel()``
+  raises ``KernelUnavailable`` (one line) and int4 is not offered; nothing falls back to
+  another arithmetic under the same name.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+GROUP = 32  # inputs per group; the kernel's GROUP
+LANES = 16  # output channels per packed block; the kernel's LANES
+LEVELS = 15  # q in 0..LEVELS
+STEPS = 255  # a scale or offset step in 0..STEPS
+PER_UNIT = 8  # groups per unit when quantizing float weights (Q4_K's super-block of 256)
+SOURCE = Path(__file__).with_name("int4_kernel.c")
+FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off")
+OPENMP = "-fopenmp"  # threads over output blocks; built without it where the compiler lacks it
+
+
+class KernelUnavailable(ValueError):
+    """The int4 kernel cannot be built or loaded here (one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedWeight:
+    """w = a q + b, group by group, with a = a_unit * a_step and b = b_unit * b_step, each
+    unit shared by ``per_unit`` consecutive groups (GGUF Q4_K: 8; Q4_0, Q4_1: 1).
+
+    q [out, in] uint8 in 0..15; a_step, b_step [out, in / GROUP] uint8; a_unit, b_unit
+    [out, in / GROUP / per_unit] float32."""
+    q: torch.Tensor
+    a_step: torch.Tensor
+    b_step: torch.Tensor
+    a_unit: torch.Tensor
+    b_unit: torch.Tensor
+    source: str  # what it came from: a GGUF type ("Q4_K"), or "float" (quantized here)
+
+    @property
+    def per_unit(self) -> int:
+        return self.a_step.shape[1] // self.a_unit.shape[1]
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b [out, groups] float32, rounded as the kernel rounds them."""
+        return _times(self.a_unit, self.a_step), _times(self.b_unit, self.b_step)
+
+    def dequantized(self) -> torch.Tensor:
+        """[out, in] float32: the weight this model runs."""
+        import torch
+        out, inputs = self.q.shape
+        a, b = self.scales()
+        q = self.q.to(torch.float32).view(out, inputs // GROUP, GROUP)
+        return (a[..., None] * q + b[..., None]).view(out, inputs)
+
+    def rows(self, ids: torch.Tensor) -> GroupedWeight:
+        """These rows (an embedding's lookup)."""
+        return GroupedWeight(self.q[ids], self.a_step[ids], self.b_step[ids], self.a_unit[ids], self.b_unit[ids],
+                             self.source)
+
+
+def quantize_groups(weight: torch.Tensor) -> GroupedWeight:
+    """A float weight [out, in] to 4-bit groups as Q4_K does it: each group between its min
+    (at most 0) and max, the scale and offset 8-bit steps of a unit per 8 groups (1 where
+    the groups do not come in eights)."""
+    import torch
+    out, inputs = weight.shape
+    groups = inputs // GROUP
+    per_unit = PER_UNIT if groups % PER_UNIT == 0 else 1
+    w = weight.detach().to(torch.float32).view(out, groups, GROUP)
+    # offsets b = -unit * step <= 0, rounded down so that b stays at or below each group's min
+    b_unit, b_step = _steps(-w.amin(dim=2).clamp_max(0.0), per_unit)
+    b_unit = -b_unit
+    b = _times(b_unit, b_step)  # [out, groups]
+    a_unit, a_step = _steps((w.amax(dim=2) - b).clamp_min(0.0) / LEVELS, per_unit)  # up: covers each max
+    grouped = GroupedWeight(torch.zeros(out, inputs, dtype=torch.uint8), a_step, b_step, a_unit, b_unit, "float")
+    a, b = grouped.scales()
+    inverse = torch.where(a > 0, 1 / a, torch.zeros_like(a))
+    q = torch.round((w - b[..., None]) * inverse[..., None]).clamp(0, LEVELS).to(torch.uint8)
+    return dataclasses.replace(grouped, q=q.view(out, inputs))
+
+
+def _times(unit: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """unit [out, units] times step [out, groups] -> [out, groups] float32, each unit
+    serving groups / units consecutive groups."""
+    import torch
+    return unit.repeat_interleave(step.shape[1] // unit.shape[1], dim=1) * step.to(torch.float32)
+
+
+def _steps(values: torch.Tensor, per_unit: int):
+    """values [out, groups] >= 0 as unit [out, groups / per_unit] times 8-bit steps, each
+    rounded up (unit * step >= value, to float rounding)."""
+    import torch
+    out, groups = values.shape
+    unit = values.view(out, groups // per_unit, per_unit).amax(dim=2) / STEPS  # [out, units]
+    if per_unit == 1:
+        return values.contiguous(), torch.ones(out, groups, dtype=torch.uint8)
+    inverse = torch.where(unit > 0, 1 / unit, torch.zeros_like(unit)).repeat_interleave(per_unit, dim=1)
+    return unit, torch.ceil(values * inverse).clamp(0, STEPS).to(torch.uint8)
+
+
+def packable(weight_shape) -> bool:
+    """Whether a Linear of this weight shape [out, in] can run in int4 groups."""
+    return weight_shape[1] % GROUP == 0
+
+
+def pack(grouped: GroupedWeight):
+    """The kernel's layout (see int4_kernel.c): packed bytes [blocks, groups, 4, 64]; a_step,
+    b_step [blocks, groups, 16] and a_unit, b_unit [blocks, units, 16]; output channels
+    padded with zeros to whole blocks."""
+    import torch
+    out, inputs = grouped.q.shape
+    blocks, groups = -(-out // LANES), inputs // GROUP
+    pad = blocks * LANES - out
+    padded = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+              for t in (grouped.q, grouped.a_step, grouped.b_step, grouped.a_unit, grouped.b_unit)]
+    q = padded[0]
+    # [block, lane, group, half, load, input of 4]: half 0 is inputs 0..15 of a group, 1 is 16..31
+    q = q.view(blocks, LANES, groups, 2, 4, 4)
+    nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [block, lane, group, load, 4]
+    packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, load, lane, 4]
+    lanes = lambda t: t.view(blocks, LANES, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+    return (packed, *(lanes(t) for t in padded[1:]))
+
+
+class Int4Forward:
+    """A Linear's forward on int4 groups: x [..., in] -> [..., out] in x's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, grouped: GroupedWeight):
+        import torch
+        self.lib = kernel()
+        self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit = pack(grouped)
+        self.per_unit = grouped.per_unit
+        self.out_features, self.in_features = grouped.q.shape
+        self.padded = self.a_step.shape[0] * LANES  # the kernel writes whole blocks of 16
+        self.bias = None  # [padded]
+        if linear.bias is not None:
+            self.bias = torch.zeros(self.padded)
+            self.bias[:self.out_features] = linear.bias.detach().to(torch.float32)
+        self.source = grouped.source
+        self.portable = 0  # 1: the kernel's portable path (tests compare the two)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch  # already loaded (a quantized model exists): a dictionary lookup
+        rows = x.shape[:-1].numel()
+        flat = x.reshape(rows, self.in_features).to(torch.float32).contiguous()  # [rows, in]
+        out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
+        scratch = torch.empty(rows * (self.in_features + 8 * self.in_features // GROUP), dtype=torch.int8)
+        self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(),
+                                  self.a_step.data_ptr(), self.b_step.data_ptr(), self.a_unit.data_ptr(),
+                                  self.b_unit.data_ptr(), self.per_unit,
+                                  None if self.bias is None else self.bias.data_ptr(), self.padded,
+                                  out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self.portable)
+        if self.padded != self.out_features:
+            out = out[:, :self.out_features]
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class GroupedEmbedding:
+    """An embedding's forward on its 4-bit groups: ids [...] -> [..., dim] float32, each row
+    a q + b, the bits of the float weight it replaces (``rakv.gguf_groups`` checked them):
+    a quarter of float32's memory and the same model."""
+
+    def __init__(self, grouped: GroupedWeight):
+        self.grouped = grouped
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        dim = self.grouped.q.shape[1]
+        return self.grouped.rows(ids.reshape(-1)).dequantized().view(*ids.shape, dim)
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL:
+    """The kernel library, built into the cache on first use. Raises KernelUnavailable."""
+    from rakv.model_files import cache_root
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not shutil.which(compiler):
+        raise KernelUnavailable("int4 needs a C compiler to build its kernel (none found: set CC or install gcc)")
+    ran = _run([compiler, "--version"])
+    version = ran.stdout.splitlines()[0] if ran is not None and ran.stdout else "?"
+    key = hashlib.blake2b(f"{SOURCE.read_bytes()!r}|{compiler}|{version}|{FLAGS}".encode(),
+                          digest_size=8).hexdigest()
+    target = cache_root() / "kernels" / f"int4-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        for flags in ((*FLAGS, OPENMP), FLAGS):
+            result = _run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"])
+            if result is not None and result.returncode == 0:
+                break
+        else:
+            reason = (result.stderr.strip().splitlines() or ["no output"])[0] if result else "it did not run"
+            raise KernelUnavailable(f"cannot build the int4 kernel with {compiler}: {reason}")
+        partial.replace(target)  # atomic: a crash never leaves half a library in use
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load the int4 kernel {target}: {exc}") from None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    lib.rakv_int4_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, pointer,
+                                     integer, pointer, integer, pointer, pointer, integer, integer]
+    lib.rakv_int4_linear.restype = None
+    lib.rakv_int4_vector.restype = integer
+    return lib
+
+
+def _run(command):
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError):
+        return None

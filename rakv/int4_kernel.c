@@ -1,0 +1,213 @@
+/* int4 groupwise weights times per-group int8 activations, for rakv/int4.py.
+ *
+ * y[r, n] = sum over groups g of  a[n, g] * dx[r, g] * sum_k q[n, k] * xq[r, k]
+ *                               + b[n, g] * (dx[r, g] * sum_k xq[r, k])      (+ bias[n])
+ * with w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, and x[r, k] ~ dx[r, g] * xq[r, k],
+ * xq in -127..127, one scale per row and group of GROUP inputs (llama.cpp's Q8_0
+ * activations). A group's scale and offset are a step count times a unit shared by
+ * PER consecutive groups: a[n, g] = a_unit[n, g / PER] * a_step[n, g], b likewise, with
+ * 8-bit steps and float units. That is how GGUF's Q4_K stores them (PER = 8: a 6-bit
+ * scale and min per group of 32, two halves per super-block of 256), in 19 bytes per 32
+ * weights where float scales take 24; Q4_0 and Q4_1 have PER = 1 and steps of 1.
+ *
+ * Invariants:
+ * - A row's result never depends on the other rows: its integer sums are exact, and its
+ *   float operations (one multiply for each scale, one fused multiply-add for each term,
+ *   groups in order) are the same whichever rows come with it and whichever path runs.
+ *   The AVX-512 VNNI path and the portable path give the same bits (test_int4.py).
+ * - Each weight block is read from memory once per forward: a forward over T tokens
+ *   streams the weights once, which is what keeps verification cheap. Rows go in tiles of
+ *   up to TILE (their accumulators stay in registers), inputs in chunks of CHUNK groups
+ *   where a tile's activations would not stay in L1 whole, and output blocks in bands of BAND (a
+ *   band's weights stay in L2 while further row tiles reuse them).
+ *
+ * Packed layout (rakv/int4.py packs it): output channels in blocks of 16 lanes; for
+ * block nb and group g, 256 bytes at packed + (nb * num_groups + g) * 256 hold 4 loads
+ * of 64 bytes; byte j of load i holds q[16 nb + j / 4, 32 g + 4 i + j % 4] in its low
+ * nibble and q[16 nb + j / 4, 32 g + 16 + 4 i + j % 4] in its high nibble, so each
+ * nibble plane is 16 lanes x 4 consecutive inputs, what vpdpbusd takes. a_step and
+ * b_step are [num_blocks, num_groups, 16] bytes, a_unit and b_unit [num_blocks,
+ * num_groups / PER, 16] floats.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define LANES 16
+#define TILE 8
+#define CHUNK 16
+#define L1_ROW_BYTES 16384  /* a tile's activations up to this size stay in L1 unchunked */
+#define BAND 8
+#define QMAX 127.0f
+
+/* x [rows, k] -> xq [rows, k], dx and bx = dx * sum(xq) [rows, groups]: symmetric, round
+ * half to even. */
+static void quantize_rows(const float *x, int rows, int k, int8_t *xq, float *dx, float *bx) {
+    int groups = k / GROUP;
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < groups; g++) {
+            const float *v = x + (int64_t)r * k + g * GROUP;
+            float amax = 0.0f;
+            for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float scale = amax / QMAX;
+            float inverse = amax > 0.0f ? QMAX / amax : 0.0f;
+            int32_t sum = 0;
+            int8_t *out = xq + (int64_t)r * k + g * GROUP;
+            for (int i = 0; i < GROUP; i++) {
+                float scaled = nearbyintf(v[i] * inverse);
+                scaled = fminf(fmaxf(scaled, -QMAX), QMAX);
+                out[i] = (int8_t)scaled;
+                sum += out[i];
+            }
+            dx[r * groups + g] = scale;
+            bx[r * groups + g] = (float)sum * scale;
+        }
+    }
+}
+
+/* Groups g0..g1 of one output block and up to TILE rows, added to acc [rows][LANES]
+ * (row r's at acc + r * n): the portable path, the same float operations in the same
+ * order as the vector one. xq, dx, bx start at the tile's first row. */
+static void block_portable(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
+                           const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                           const int8_t *xq, const float *dx, const float *bx, int k,
+                           int rows, float *acc, int n) {
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *block = packed + (int64_t)g * 256;
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xg = xq + (int64_t)r * k + g * GROUP;
+            float d = dx[r * groups + g], s = bx[r * groups + g];
+            for (int lane = 0; lane < LANES; lane++) {
+                int32_t dot = 0;
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++) {
+                        uint8_t byte = block[i * 64 + lane * 4 + j];
+                        dot += (int32_t)(byte & 15) * xg[4 * i + j] + (int32_t)(byte >> 4) * xg[16 + 4 * i + j];
+                    }
+                float a = a_unit[g / per * LANES + lane] * (float)a_step[g * LANES + lane];
+                float b = b_unit[g / per * LANES + lane] * (float)b_step[g * LANES + lane];
+                float *out = acc + (int64_t)r * n + lane;
+                *out = fmaf((float)dot, a * d, *out);
+                *out = fmaf(b, s, *out);
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__)
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline
+
+VNNI __m512 scales(const uint8_t *step, const float *unit) {  /* 16 lanes: unit * step */
+    __m512 steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)step)));
+    return _mm512_mul_ps(_mm512_loadu_ps(unit), steps);
+}
+
+VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
+                          const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                          const int8_t *xq, const float *dx, const float *bx, int k,
+                          const int rows, float *acc, int n) {
+    __m512 facc[TILE];
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int r = 0; r < rows; r++) facc[r] = _mm512_loadu_ps(acc + (int64_t)r * n);
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *block = packed + (int64_t)g * 256;
+        __m512i dot[TILE];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i bytes = _mm512_loadu_si512((const void *)(block + i * 64));
+            __m512i w_low = _mm512_and_si512(bytes, low);                        /* inputs 4i..4i+3 */
+            __m512i w_high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);  /* 16+4i..16+4i+3 */
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xg = xq + (int64_t)r * k + g * GROUP;
+                int32_t x_low, x_high;
+                memcpy(&x_low, xg + 4 * i, 4);
+                memcpy(&x_high, xg + 16 + 4 * i, 4);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w_low, _mm512_set1_epi32(x_low));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w_high, _mm512_set1_epi32(x_high));
+            }
+        }
+        __m512 va = scales(a_step + g * LANES, a_unit + g / per * LANES);
+        __m512 vb = scales(b_step + g * LANES, b_unit + g / per * LANES);
+        for (int r = 0; r < rows; r++) {
+            __m512 d = _mm512_set1_ps(dx[r * groups + g]);
+            facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(va, d), facc[r]);
+            facc[r] = _mm512_fmadd_ps(vb, _mm512_set1_ps(bx[r * groups + g]), facc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(acc + (int64_t)r * n, facc[r]);
+}
+
+/* One copy per tile height, so each keeps its accumulators in registers. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+static void block_vnni(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
+                       const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                       const int8_t *xq, const float *dx, const float *bx, int k,
+                       int rows, float *acc, int n) {
+    switch (rows) {
+#define ROWS(R) case R: block_vnni_rows(packed, a_step, b_step, a_unit, b_unit, per, groups, g0, g1, xq, dx, bx, \
+                                        k, R, acc, n); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+    }
+}
+#endif
+
+/* 1 where the vector path runs here. */
+int rakv_int4_vector(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+/* y [rows, n] = x [rows, k] @ w.T (+ bias), w packed as above, n a multiple of 16 (the
+ * caller pads). scratch: rows * (k + 8 * k / GROUP) bytes. portable: 1 forces the
+ * portable path. */
+void rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, const uint8_t *a_step,
+                      const uint8_t *b_step, const float *a_unit, const float *b_unit, int per,
+                      const float *bias, int n, float *y, int8_t *scratch, int num_threads, int portable) {
+    int groups = k / GROUP, blocks = n / LANES, bands = (blocks + BAND - 1) / BAND, units = groups / per;
+    int8_t *xq = scratch;
+    float *dx = (float *)(scratch + (int64_t)rows * k);
+    float *bx = dx + rows * groups;
+    quantize_rows(x, rows, k, xq, dx, bx);
+    memset(y, 0, sizeof(float) * (size_t)rows * n);
+    int vector = !portable && rakv_int4_vector();
+    /* chunking changes no row's operations or their order, only the loop nest */
+    int chunk = (int64_t)(rows < TILE ? rows : TILE) * k <= L1_ROW_BYTES ? groups : CHUNK;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int band = 0; band < bands; band++) {
+        int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
+        for (int r0 = 0; r0 < rows; r0 += TILE) {
+            int tile = rows - r0 < TILE ? rows - r0 : TILE;
+            const int8_t *xt = xq + (int64_t)r0 * k;
+            for (int g0 = 0; g0 < groups; g0 += chunk) {
+                int g1 = g0 + chunk < groups ? g0 + chunk : groups;
+                for (int nb = band * BAND; nb < nb1; nb++) {
+                    const uint8_t *block = packed + (int64_t)nb * groups * 256;
+                    const uint8_t *as = a_step + (int64_t)nb * groups * LANES, *bs = b_step + (int64_t)nb * groups * LANES;
+                    const float *au = a_unit + (int64_t)nb * units * LANES, *bu = b_unit + (int64_t)nb * units * LANES;
+                    float *acc = y + (int64_t)r0 * n + nb * LANES;
+#if defined(__x86_64__)
+                    if (vector)
+                        block_vnni(block, as, bs, au, bu, per, groups, g0, g1, xt, dx + r0 * groups,
+                                   bx + r0 * groups, k, tile, acc, n);
+                    else
+#endif
+                        block_portable(block, as, bs, au, bu, per, groups, g0, g1, xt, dx + r0 * groups,
+                                       bx + r0 * groups, k, tile, acc, n);
+                }
+            }
+        }
+    }
+    if (bias)
+        for (int r = 0; r < rows; r++)
+            for (int col = 0; col < n; col++) y[(int64_t)r * n + col] += bias[col];
+}

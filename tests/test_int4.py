@@ -1,0 +1,103 @@
+"""The int4 kernel (rakv.int4) and a GGUF's 4-bit groups (rakv.gguf_groups): the kernel's
+arithmetic against a float64 reference, its two paths and its threads giving the same
+bits, GGUF's Q4_0, Q4_1 and Q4_K blocks read as gguf-py dequantizes them, SmolLM2's own
+groups matching the weights it loads, and one-line errors where no kernel can be built."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rakv import gguf_groups, int4
+from rakv.weights import INT4, INT8, choose_weights
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+def reference(layer: int4.Int4Forward, grouped: int4.GroupedWeight, x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: per-group int8 activations times a q + b."""
+    rows, inputs = x.shape
+    groups = x.view(rows, inputs // int4.GROUP, int4.GROUP).double()
+    scale = groups.abs().amax(dim=2, keepdim=True) / 127
+    quantized = torch.round(groups / torch.where(scale > 0, scale, 1)).clamp(-127, 127)
+    return (quantized * scale).view(rows, inputs) @ grouped.dequantized().double().T
+
+
+@pytest.mark.parametrize("shape", [(64, 258), (576, 192), (1536, 1536), (8960, 40)])
+def test_the_kernel_computes_what_it_says(shape):
+    inputs, outputs = shape
+    torch.manual_seed(inputs + outputs)
+    linear = torch.nn.Linear(inputs, outputs, bias=False)
+    grouped = int4.quantize_groups(linear.weight)
+    layer = int4.Int4Forward(linear, grouped)
+    x = torch.randn(11, inputs) * torch.linspace(0.01, 100.0, 11)[:, None]
+    expected = reference(layer, grouped, x)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(layer(torch.zeros(3, inputs)), torch.zeros(3, outputs))  # an all-zero group has scale 0
+
+
+def test_both_paths_and_any_threads_give_the_same_bits():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(1536, 600)
+    layer = int4.Int4Forward(linear, int4.quantize_groups(linear.weight))
+    x = torch.randn(13, 1536)
+    one_thread = layer(x)
+    layer.portable = 1
+    assert torch.equal(layer(x), one_thread)
+    layer.portable = 0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one_thread)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", gguf_groups.FOUR_BIT)
+def test_gguf_blocks_read_as_gguf_py_dequantizes_them(kind):
+    """Random blocks of each 4-bit type: a q + b equals gguf-py's own dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    out, inputs = 4, 512
+    size = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}[kind]
+    per_block = 256 if kind == "Q4_K" else 32
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(out, inputs // per_block, size), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.1, size=(out, inputs // per_block, 2)).astype(np.float16)
+    raw[..., 0:4] = scales.view(np.uint8).reshape(out, inputs // per_block, 4)  # finite d (and m or dmin)
+    raw = raw.reshape(out, -1)
+    parts = gguf_groups._groups(kind, raw, out, inputs)
+    grouped = int4.GroupedWeight(*(torch.from_numpy(np.ascontiguousarray(t)) for t in parts), kind)
+    expected = dequantize(raw, GGMLQuantizationType[kind]).reshape(out, inputs)
+    assert torch.equal(grouped.dequantized(), torch.from_numpy(expected))
+
+
+@pytest.mark.slow
+def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
+    """Every 4-bit Linear of the SmolLM2 GGUF is taken as stored, matching the loaded
+    weight bit for bit; the embedding and the head tied to it are stored as Q8_0."""
+    from rakv import model_files
+    path = model_files.resolve("smollm2")
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path))  # a fresh cache: read, check and store once
+    found = gguf_groups.stored_linears(path, smollm2_pair.target)
+    kinds = {name: g if isinstance(g, str) else g.source for name, g in found.items()}
+    assert kinds["lm_head"] == kinds["model.embed_tokens"] == "Q8_0"  # tied: stored once
+    assert sum(kind == "Q4_1" for kind in kinds.values()) == len(kinds) - 2 == 210
+    again = gguf_groups.stored_linears(path, smollm2_pair.target)  # from the cache now
+    assert all(torch.equal(again[n].q, g.q) and torch.equal(again[n].a_unit, g.a_unit) for n, g in found.items()
+               if not isinstance(g, str))
+    assert len(list((tmp_path / "converted").glob("*-groups-*.safetensors"))) == 1
+
+
+def test_no_compiler_is_one_line_and_auto_falls_back(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
+    with pytest.raises(int4.KernelUnavailable, match="int4 needs a C compiler"):
+        int4.kernel.__wrapped__()
+    monkeypatch.setattr(int4, "kernel", int4.kernel.__wrapped__)
+    model = torch.nn.Linear(64, 64)
+    with pytest.raises(int4.KernelUnavailable, match="^int4 needs a C compiler"):
+        choose_weights(INT4, [], [model])
+    stored = [int4.quantize_groups(model.weight)]
+    assert choose_weights("auto", stored, [model]) == INT8
+    assert "warning: int4 needs a C compiler" in capsys.readouterr().err
