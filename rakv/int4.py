@@ -80,11 +80,6 @@ class GroupedWeight:
         q = self.q.to(torch.float32).view(out, inputs // GROUP, GROUP)
         return (a[..., None] * q + b[..., None]).view(out, inputs)
 
-    def rows(self, ids: torch.Tensor) -> GroupedWeight:
-        """These rows (an embedding's lookup)."""
-        return GroupedWeight(self.q[ids], self.a_step[ids], self.b_step[ids], self.a_unit[ids], self.b_unit[ids],
-                             self.source)
-
 
 def quantize_groups(weight: torch.Tensor) -> GroupedWeight:
     """A float weight [out, in] to 4-bit groups as Q4_K does it: each group between its min
@@ -181,19 +176,6 @@ class Int4Forward:
         if self.padded != self.out_features:
             out = out[:, :self.out_features]
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
-class GroupedEmbedding:
-    """An embedding's forward on its 4-bit groups: ids [...] -> [..., dim] float32, each row
-    a q + b, the bits of the float weight it replaces (``rakv.gguf_groups`` checked them):
-    a quarter of float32's memory and the same model."""
-
-    def __init__(self, grouped: GroupedWeight):
-        self.grouped = grouped
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        dim = self.grouped.q.shape[1]
-        return self.grouped.rows(ids.reshape(-1)).dequantized().view(*ids.shape, dim)
 
 
 @functools.cache

@@ -22,8 +22,8 @@ Invariants:
   T tokens and T one-token forwards would now and then flip a rounding, and a greedy token.
   float32 keeps PyTorch's attention: there those differences stay at 1e-7 and have never
   flipped a token in the test suite, and its shipped traces were timed with it.
-- **No float32 copy.** In int4, an embedding the GGUF stores in 4-bit groups runs on them
-  (``int4.GroupedEmbedding``: the same bits, a quarter of the memory).
+- **No float32 copy.** In int4, an embedding the GGUF stores quantized keeps the file's
+  rows (``gguf_groups.StoredRows``: the same bits in the file's bytes).
   A quantized Linear's float32 weight is dropped (its parameter is
   set to None); a weight tied to an embedding stays, as the embedding's. The quantized
   layer is a forward set on the module instance, as ``rakv.cpu_linear``'s packed one is,
@@ -127,14 +127,14 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
     shared with another model (a layer-prefix draft's) are quantized once."""
     import torch
     from rakv import int4
-    from rakv.gguf_groups import PLAIN
+    from rakv.gguf_groups import PLAIN, StoredRows
     plan = []
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Embedding) and isinstance(stored.get(name), int4.GroupedWeight) \
+            if isinstance(module, torch.nn.Embedding) and isinstance(stored.get(name), StoredRows) \
                     and mode == INT4 and "_rakv_quantized" not in vars(module):
-                # the same bits in a quarter of the memory: not another model, so not in the plan
-                module.forward = module._rakv_quantized = int4.GroupedEmbedding(stored[name])
+                # the same bits in the file's bytes: not another model, so not in the plan
+                module.forward = module._rakv_quantized = stored[name]
                 module.register_parameter("weight", None)
             if not isinstance(module, torch.nn.Linear):
                 continue

@@ -75,7 +75,8 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(kind):
 @pytest.mark.slow
 def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
     """Every 4-bit Linear of the SmolLM2 GGUF is taken as stored, matching the loaded
-    weight bit for bit; the embedding and the head tied to it are stored as Q8_0."""
+    weight bit for bit; the embedding (Q8_0) keeps the file's rows, the same bits; the
+    head tied to it runs as int8."""
     from rakv import model_files
     path = model_files.resolve("smollm2")
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))  # a fresh cache: read, check and store once
@@ -85,7 +86,11 @@ def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
     assert sum(kind == "Q4_1" for kind in kinds.values()) == len(kinds) - 2 == 210
     again = gguf_groups.stored_linears(path, smollm2_pair.target)  # from the cache now
     assert all(torch.equal(again[n].q, g.q) and torch.equal(again[n].a_unit, g.a_unit) for n, g in found.items()
-               if not isinstance(g, str))
+               if isinstance(g, int4.GroupedWeight))
+    ids = torch.tensor([[0, 5, 49151], [7, 7, 100]])
+    embedding = smollm2_pair.target.model.embed_tokens
+    assert isinstance(found["model.embed_tokens"], gguf_groups.StoredRows)
+    assert torch.equal(again["model.embed_tokens"](ids), embedding.weight[ids])
     assert len(list((tmp_path / "converted").glob("*-groups-*.safetensors"))) == 1
 
 
