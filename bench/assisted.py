@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.harness import fresh_engine, hf_generate, timed
 from bench.prompt_lookup import Row, Tally
-from rakv.weights import add_precision_arguments
+from rakv.cli import add_precision_arguments
 
 GOAL_CODE_VS_ASSISTED = 1.2
 GOAL_PROSE_VS_ASSISTED = 1.0

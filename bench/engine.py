@@ -48,8 +48,7 @@ from bench.partial import bench_partial_hits, format_partial
 from bench.policies import (PolicySection, chat_workload, code_workload, fixed_policy_list, format_policies,
                             policy_section)
 from bench.repeat import RepeatSection, bench_exact_repeat, format_repeat
-from rakv.cli import run_cli
-from rakv.weights import add_precision_arguments
+from rakv.cli import add_precision_arguments, run_cli
 
 QWEN_DEFAULT_POLICIES = "ar,kv-only,joint-k2,joint-k4,joint-ngram-k4"
 

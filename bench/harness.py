@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from rakv.weights import add_precision_arguments
+from rakv.cli import add_precision_arguments
 
 PARAGRAPHS = (
     "A key-value cache keeps the attention keys and values of every token a transformer has "

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from rakv.weights import add_precision_arguments
+from rakv.cli import add_precision_arguments
 
 GOAL_DECIDE_US = 30.0
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.harness import fresh_engine, hf_generate, timed
 from profiler.prompt_texts import CHAT, PROSE, REVISE, chat_prompt
-from rakv.weights import add_precision_arguments
+from rakv.cli import add_precision_arguments
 
 ENGINE_POLICIES = ("ar", "ngram-k4", "rakv")
 HF_LOOKUP_TOKENS = (None, 3, 10)

@@ -34,10 +34,9 @@ from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLength
                              TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
-from rakv.cli import run_cli
+from rakv.cli import add_precision_arguments, run_cli
 from rakv.choices import fixed_policy_names
 from rakv.controller import ControllerConfig
-from rakv.weights import add_precision_arguments
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, measure_pair
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
 

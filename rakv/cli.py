@@ -22,5 +22,14 @@ def run_cli(run: Callable[[object], int], args, errors: tuple[type[BaseException
         return 130
 
 
+def add_precision_arguments(parser) -> None:
+    """``--weights`` (``rakv.weights``) and ``--linear-kernels`` (``rakv.cpu_linear``), for
+    every command line that loads a pair. Neither module loads torch on import."""
+    from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
+    from rakv.weights import DEFAULT_WEIGHTS, WEIGHTS, WEIGHTS_HELP
+    parser.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS, help=WEIGHTS_HELP)
+    parser.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
+
+
 def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"

@@ -14,14 +14,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from rakv.cli import run_cli
+from rakv.cli import add_precision_arguments, run_cli
 from rakv.choices import fixed_action
 from rakv.controller import ControllerConfig
 from rakv.drafters import NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
 from rakv.store_model import STORE_MODES, StoreConfig
-from rakv.weights import add_precision_arguments
 from rakv.models import BUILTIN_PAIRS, PairError
 from rakv.policies import POLICY_HELP, check_policy, resolve_policy
 from rakv.prompt_file import PromptLine, read_prompt_file

@@ -17,9 +17,10 @@
  *   The AVX-512 VNNI path and the portable path give the same bits (test_int4.py).
  * - Each weight block is read from memory once per forward: a forward over T tokens
  *   streams the weights once, which is what keeps verification cheap. Rows go in tiles of
- *   up to TILE (their accumulators stay in registers), inputs in chunks of CHUNK groups
- *   where a tile's activations would not stay in L1 whole, and output blocks in bands of BAND (a
- *   band's weights stay in L2 while further row tiles reuse them).
+ *   up to TILE (their accumulators stay in registers) and output blocks in bands of BAND
+ *   (a band's weights stay in L2 while further row tiles reuse them). Splitting the
+ *   inputs into chunks that keep a tile's activations in L1 was 5-7 % slower: it breaks
+ *   the weights' sequential stream.
  *
  * Packed layout (rakv/int4.py packs it): output channels in blocks of 16 lanes; for
  * block nb and group g, 256 bytes at packed + (nb * num_groups + g) * 256 hold 4 loads
@@ -39,8 +40,6 @@
 #define GROUP 32
 #define LANES 16
 #define TILE 8
-#define CHUNK 16
-#define L1_ROW_BYTES 16384  /* a tile's activations up to this size stay in L1 unchunked */
 #define BAND 8
 #define QMAX 127.0f
 
@@ -69,14 +68,16 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *xq, float *dx
     }
 }
 
-/* Groups g0..g1 of one output block and up to TILE rows, added to acc [rows][LANES]
- * (row r's at acc + r * n): the portable path, the same float operations in the same
- * order as the vector one. xq, dx, bx start at the tile's first row. */
+/* One output block and up to TILE rows, into acc [rows][LANES] (row r's at acc + r * n):
+ * the portable path, the same float operations in the same order as the vector one.
+ * xq, dx, bx start at the tile's first row. */
 static void block_portable(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                           const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                           const float *a_unit, const float *b_unit, int per, int groups,
                            const int8_t *xq, const float *dx, const float *bx, int k,
                            int rows, float *acc, int n) {
-    for (int g = g0; g < g1; g++) {
+    for (int r = 0; r < rows; r++)
+        for (int lane = 0; lane < LANES; lane++) acc[(int64_t)r * n + lane] = 0.0f;
+    for (int g = 0; g < groups; g++) {
         const uint8_t *block = packed + (int64_t)g * 256;
         for (int r = 0; r < rows; r++) {
             const int8_t *xg = xq + (int64_t)r * k + g * GROUP;
@@ -107,13 +108,13 @@ VNNI __m512 scales(const uint8_t *step, const float *unit) {  /* 16 lanes: unit 
 }
 
 VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                          const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                          const float *a_unit, const float *b_unit, int per, int groups,
                           const int8_t *xq, const float *dx, const float *bx, int k,
                           const int rows, float *acc, int n) {
     __m512 facc[TILE];
     const __m512i low = _mm512_set1_epi8(15);
-    for (int r = 0; r < rows; r++) facc[r] = _mm512_loadu_ps(acc + (int64_t)r * n);
-    for (int g = g0; g < g1; g++) {
+    for (int r = 0; r < rows; r++) facc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++) {
         const uint8_t *block = packed + (int64_t)g * 256;
         __m512i dot[TILE];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
@@ -144,11 +145,11 @@ VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const ui
 /* One copy per tile height, so each keeps its accumulators in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 static void block_vnni(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                       const float *a_unit, const float *b_unit, int per, int groups, int g0, int g1,
+                       const float *a_unit, const float *b_unit, int per, int groups,
                        const int8_t *xq, const float *dx, const float *bx, int k,
                        int rows, float *acc, int n) {
     switch (rows) {
-#define ROWS(R) case R: block_vnni_rows(packed, a_step, b_step, a_unit, b_unit, per, groups, g0, g1, xq, dx, bx, \
+#define ROWS(R) case R: block_vnni_rows(packed, a_step, b_step, a_unit, b_unit, per, groups, xq, dx, bx, \
                                         k, R, acc, n); break;
         ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
@@ -178,32 +179,26 @@ void rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, co
     float *dx = (float *)(scratch + (int64_t)rows * k);
     float *bx = dx + rows * groups;
     quantize_rows(x, rows, k, xq, dx, bx);
-    memset(y, 0, sizeof(float) * (size_t)rows * n);
     int vector = !portable && rakv_int4_vector();
-    /* chunking changes no row's operations or their order, only the loop nest */
-    int chunk = (int64_t)(rows < TILE ? rows : TILE) * k <= L1_ROW_BYTES ? groups : CHUNK;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int band = 0; band < bands; band++) {
         int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
         for (int r0 = 0; r0 < rows; r0 += TILE) {
             int tile = rows - r0 < TILE ? rows - r0 : TILE;
             const int8_t *xt = xq + (int64_t)r0 * k;
-            for (int g0 = 0; g0 < groups; g0 += chunk) {
-                int g1 = g0 + chunk < groups ? g0 + chunk : groups;
-                for (int nb = band * BAND; nb < nb1; nb++) {
-                    const uint8_t *block = packed + (int64_t)nb * groups * 256;
-                    const uint8_t *as = a_step + (int64_t)nb * groups * LANES, *bs = b_step + (int64_t)nb * groups * LANES;
-                    const float *au = a_unit + (int64_t)nb * units * LANES, *bu = b_unit + (int64_t)nb * units * LANES;
-                    float *acc = y + (int64_t)r0 * n + nb * LANES;
+            for (int nb = band * BAND; nb < nb1; nb++) {
+                const uint8_t *block = packed + (int64_t)nb * groups * 256;
+                const uint8_t *as = a_step + (int64_t)nb * groups * LANES, *bs = b_step + (int64_t)nb * groups * LANES;
+                const float *au = a_unit + (int64_t)nb * units * LANES, *bu = b_unit + (int64_t)nb * units * LANES;
+                float *acc = y + (int64_t)r0 * n + nb * LANES;
 #if defined(__x86_64__)
-                    if (vector)
-                        block_vnni(block, as, bs, au, bu, per, groups, g0, g1, xt, dx + r0 * groups,
-                                   bx + r0 * groups, k, tile, acc, n);
-                    else
+                if (vector)
+                    block_vnni(block, as, bs, au, bu, per, groups, xt, dx + r0 * groups, bx + r0 * groups, k,
+                               tile, acc, n);
+                else
 #endif
-                        block_portable(block, as, bs, au, bu, per, groups, g0, g1, xt, dx + r0 * groups,
-                                       bx + r0 * groups, k, tile, acc, n);
-                }
+                    block_portable(block, as, bs, au, bu, per, groups, xt, dx + r0 * groups, bx + r0 * groups, k,
+                                   tile, acc, n);
             }
         }
     }

@@ -71,13 +71,6 @@ MIN_COLUMNS = 128
 MIN_ROWS = 4  # fewer rows take a slow oneDNN path for narrow layers: 896->128 cost 8-10 ms at 1-2 rows, 0.2 at 4
 
 
-def add_precision_arguments(parser) -> None:
-    """``--weights`` and ``--linear-kernels``, for every command line that loads a pair."""
-    from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
-    parser.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS, help=WEIGHTS_HELP)
-    parser.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
-
-
 class Int8Forward:
     """A Linear's forward on int8 weights: x [..., in] -> [..., out] in x's dtype."""
 
@@ -121,8 +114,9 @@ def quantizable(model) -> bool:
 
 
 def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
-    """Give every Linear of ``model`` a forward in ``mode`` and drop its float32 weight;
-    returns how each one runs ("name=int8", "name=int4:Q4_K", ...), in module order.
+    """Give every Linear of ``model`` a forward in ``mode`` and drop its float32 weight (in
+    int4, each embedding the file stores quantized too: ``StoredRows``, the same bits);
+    returns how each Linear runs ("name=int8", "name=int4:Q4_K", ...), in module order.
     ``stored``: ``rakv.gguf_groups.stored_linears`` of the model's GGUF, or {}. Modules
     shared with another model (a layer-prefix draft's) are quantized once."""
     import torch
@@ -158,8 +152,8 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
 
 def choose_weights(choice: str, stored_kinds, models) -> str:
     """The mode ``choice`` means for these models; raises ValueError (one line) where it
-    cannot run. ``stored_kinds``: how the checkpoint stores its Linear weights (GGUF type
-    names, or ``GroupedWeight``s for 4-bit groups it matched); empty for a float one."""
+    cannot run. ``stored_kinds``: how the checkpoint stores its weights (GGUF type names,
+    ``GroupedWeight``s for the 4-bit groups it matched, ``StoredRows``); empty for a float one."""
     from rakv import int4
     from rakv.gguf_groups import PLAIN
     if choice not in WEIGHTS:

@@ -83,13 +83,51 @@ def markdown(rows: list[Crossover], source: str, context: int) -> str:
     return "\n".join(lines)
 
 
+def plot_crossovers(path: Path, timings: list[Timing], context: int) -> Path:
+    """Per drafter, each timing's plain step (dashed) and the time per token of its best k
+    at each acceptance (solid), the acceptance where they cross marked: where speculation
+    starts to pay on each machine or in each weights mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tables = [crossovers(t, context) for t in timings]
+    drafters = list(dict.fromkeys(r.drafter for rows in tables for r in rows))
+    fig, axes = plt.subplots(1, len(drafters), figsize=(6 * len(drafters), 4.5), squeeze=False)
+    acceptance = np.linspace(0.0, 0.999, 200)
+    for ax, drafter in zip(axes[0], drafters):
+        top = 0.0
+        for i, (timing, rows) in enumerate(zip(timings, tables)):
+            mine = [r for r in rows if r.drafter == drafter]
+            if not mine:
+                continue
+            color, step_ms = plt.cm.tab10(i % 10), mine[0].step_s * 1e3
+            best = np.min([[r.round_s * 1e3 / expected_progress(a, r.k) for a in acceptance] for r in mine], axis=0)
+            ax.axhline(step_ms, color=color, lw=1.0, ls="--")
+            ax.plot(acceptance, best, color=color, label=f"{timing.source} (step {step_ms:.1f} ms)")
+            pays = acceptance[best < step_ms]
+            if len(pays):
+                ax.plot([pays[0]], [step_ms], "o", color=color)
+                ax.annotate(f"{pays[0]:.2f}", (pays[0], step_ms), textcoords="offset points", xytext=(0, 6),
+                            ha="center", fontsize=7, color=color)
+            top = max(top, 2.5 * step_ms)
+        ax.set(xlabel="per-token acceptance", ylabel="ms per token (best k)", ylim=(0, top),
+               title=f"{drafter}: plain step (dashed) and speculation at context {context}")
+        ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     if args.context < 1:
         raise ValueError(f"--context must be at least 1, got {args.context}")
     timings = [load_timing(path, None) for path in args.timing]
     print("\n\n".join(markdown(crossovers(t, args.context), t.source, args.context) for t in timings))
     if args.plot:
-        from simulator.plots import plot_crossovers
         print(f"wrote {plot_crossovers(args.plot, timings, args.context)}")
     return 0
 
