@@ -29,12 +29,6 @@ PARTS = ("q", "a_step", "b_step", "a_unit", "b_unit")  # a GroupedWeight's tenso
 CACHE_FORMAT = 4  # bump when what ``read_linears`` returns changes: older cached files are not read
 
 
-def tensor_types(path: Path) -> dict[str, str]:
-    """GGUF tensor name -> its type name ("Q4_K", "Q6_K", "F32", ...)."""
-    import gguf
-    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
-
-
 def _groups(kind: str, blocks: np.ndarray, out: int, inputs: int):
     """q [out, in], a_step, b_step [out, groups] uint8 and a_unit, b_unit [out, units]
     float32 (``rakv.int4.GroupedWeight``) from one tensor's raw blocks [out, bytes]."""

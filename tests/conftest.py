@@ -11,6 +11,19 @@ ALL_POLICIES = fixed_policy_names() + ("rakv",)
 SMOLLM2_MAX_CONTEXT = 320  # a cap below the model's 8192 positions keeps near-max prompts cheap on a CPU
 
 
+def int4_kernel_problem() -> str | None:
+    """Why the int4 kernel cannot be built here (no C compiler), or None."""
+    from rakv import int4
+    try:
+        int4.kernel()
+    except int4.KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+NEEDS_INT4 = pytest.mark.skipif(int4_kernel_problem() is not None, reason=f"{int4_kernel_problem()}")
+
+
 def hf_greedy(pair, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: Hugging Face generate(do_sample=False) of the target alone."""
     max_new_tokens = min(max_new_tokens, pair.max_positions - len(prompt_ids))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import NEEDS_INT4
 from rakv import gguf_groups, int4
 from rakv.weights import INT4, INT8, choose_weights
 
@@ -23,6 +24,7 @@ def reference(layer: int4.Int4Forward, grouped: int4.GroupedWeight, x: torch.Ten
     return (quantized * scale).view(rows, inputs) @ grouped.dequantized().double().T
 
 
+@NEEDS_INT4
 @pytest.mark.parametrize("shape", [(64, 258), (576, 192), (1536, 1536), (8960, 40)])
 def test_the_kernel_computes_what_it_says(shape):
     inputs, outputs = shape
@@ -36,6 +38,7 @@ def test_the_kernel_computes_what_it_says(shape):
     assert torch.equal(layer(torch.zeros(3, inputs)), torch.zeros(3, outputs))  # an all-zero group has scale 0
 
 
+@NEEDS_INT4
 def test_both_paths_and_any_threads_give_the_same_bits():
     torch.manual_seed(0)
     linear = torch.nn.Linear(1536, 600)
@@ -72,6 +75,7 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(kind):
     assert torch.equal(grouped.dequantized(), torch.from_numpy(expected))
 
 
+@NEEDS_INT4
 @pytest.mark.slow
 def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
     """Every 4-bit Linear of the SmolLM2 GGUF is taken as stored, matching the loaded

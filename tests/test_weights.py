@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ALL_POLICIES, SMOLLM2_MAX_CONTEXT, hf_greedy, policy_for
+from conftest import ALL_POLICIES, NEEDS_INT4, SMOLLM2_MAX_CONTEXT, hf_greedy, policy_for
 from engine_checks import assert_rounds_replay, run_mix
 from rakv.calibrate import calibration_path
 from rakv.decoding import forward
@@ -49,7 +49,7 @@ def int4_tiny():
 QUANTIZED = {INT8: Int8Forward, INT4: lambda linear: Int4Forward(linear, quantize_groups(linear.weight))}
 
 
-@pytest.mark.parametrize("mode", [INT8, INT4])
+@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_INT4)])
 @pytest.mark.parametrize("kind", sorted(linear_kinds("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
                                         | TINY_LINEAR_KINDS))
 def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
@@ -74,6 +74,7 @@ def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
         assert layer(x.view(2, MAX_ROWS // 2, in_features)).shape == (2, MAX_ROWS // 2, out_features)
 
 
+@NEEDS_INT4
 def test_each_mode_is_another_model(int8_tiny, int4_tiny):
     fp32 = load_pair("tiny", dtype="float32")
     assert (fp32.weights, int8_tiny.weights, int4_tiny.weights) == (FP32, INT8, INT4)
@@ -102,9 +103,9 @@ def test_modes_that_cannot_run_are_one_line_errors():
         load_pair("tiny", weights_mode="int3")
 
 
-@pytest.mark.parametrize("mode", [INT8, INT4])
-def test_quantized_engine_matches_hf_greedy_under_every_policy(int8_tiny, int4_tiny, mode):
-    pair = {INT8: int8_tiny, INT4: int4_tiny}[mode]
+@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_INT4)])
+def test_quantized_engine_matches_hf_greedy_under_every_policy(mode, request):
+    pair = request.getfixturevalue(f"{mode}_tiny")
     oracle = {text: hf_greedy(pair, pair.encode(text), 24) for text in TEXTS}
     for name in ALL_POLICIES:
         engine = Engine(pair, policy_for(name, pair))
