@@ -6,8 +6,8 @@
  * xq in -127..127, one scale per row and group of GROUP inputs (llama.cpp's Q8_0
  * activations). A group's scale and offset are a step count times a unit shared by
  * PER consecutive groups: a[n, g] = a_unit[n, g / PER] * a_step[n, g], b likewise, with
- * 8-bit steps and float units. That is how GGUF's Q4_K stores them (PER = 8: a 6-bit
- * scale and min per group of 32, two halves per super-block of 256), in 19 bytes per 32
+ * 8-bit steps and float units. That is how GGUF's Q4_K stores them (PER = 8: 6-bit scale
+ * and min steps per group of 32, f16 units per super-block of 256), in 19 bytes per 32
  * weights where float scales take 24; Q4_0 and Q4_1 have PER = 1 and steps of 1.
  *
  * Invariants:
