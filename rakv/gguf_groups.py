@@ -25,7 +25,6 @@ import numpy as np
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 PLAIN = ("F32", "F16", "BF16", "F64")  # not quantized
 SUPER = 256  # weights per Q4_K super-block
-PARTS = ("q", "a_step", "b_step", "a_unit", "b_unit")  # a GroupedWeight's tensors, in order
 CACHE_FORMAT = 4  # bump when what ``read_linears`` returns changes: older cached files are not read
 
 
@@ -78,32 +77,28 @@ def stored_linears(path: Path, model) -> dict[str, object]:
     fields alone take 20 s to parse), so the result is kept beside the file's float
     conversion (keyed by the file's path, size and mtime, and the model's module names)
     and loaded from there afterwards in about a second."""
-    import hashlib
     import json
-    from safetensors.torch import load_file, save_file
-    from rakv.model_files import cache_root
-    stat = path.stat()
-    modules = ",".join(n for n, _ in model.named_modules())
-    key = hashlib.blake2b(f"{CACHE_FORMAT}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{modules}".encode(),
-                          digest_size=8).hexdigest()
-    cached = cache_root() / "converted" / f"{path.stem}-groups-{key}.safetensors"
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from rakv.int4 import GroupedWeight
+    from rakv.model_files import cache_root, file_key
+    names = [name for name, _ in model.named_modules()]
+    cached = cache_root() / "converted" / f"{path.stem}-groups-{file_key(path, CACHE_FORMAT, *names)}.safetensors"
     if cached.is_file():
-        from safetensors import safe_open
         with safe_open(str(cached), "pt") as handle:
             kinds = json.loads(handle.metadata()["kinds"])
-        tensors = load_file(str(cached))
-        from rakv.int4 import GroupedWeight
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
         modules = dict(model.named_modules())
-        return {name: GroupedWeight(*(tensors[f"{name}.{part}"] for part in PARTS), kind) if f"{name}.q" in tensors
-                else StoredRows(tensors[f"{name}.raw"], kind, modules[name].embedding_dim)
+        return {name: GroupedWeight(*(tensors[f"{name}.{part}"] for part in GroupedWeight.TENSORS), kind)
+                if f"{name}.q" in tensors else StoredRows(tensors[f"{name}.raw"], kind, modules[name].embedding_dim)
                 if f"{name}.raw" in tensors else kind for name, kind in kinds.items()}
     found = read_linears(path, model)
     tensors = {}
     for name, stored in found.items():
         if isinstance(stored, StoredRows):
             tensors[f"{name}.raw"] = stored.raw
-        elif not isinstance(stored, str):
-            tensors.update({f"{name}.{part}": getattr(stored, part) for part in PARTS})
+        elif isinstance(stored, GroupedWeight):
+            tensors.update(zip((f"{name}.{part}" for part in GroupedWeight.TENSORS), stored.tensors()))
     kinds = {name: g if isinstance(g, str) else g.source for name, g in found.items()}
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_name(cached.name + ".partial")

@@ -64,6 +64,11 @@ class GroupedWeight:
     b_unit: torch.Tensor
     source: str  # what it came from: a GGUF type ("Q4_K"), or "float" (quantized here)
 
+    TENSORS = ("q", "a_step", "b_step", "a_unit", "b_unit")  # the fields above that are tensors, in order
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in self.TENSORS)
+
     @property
     def per_unit(self) -> int:
         return self.a_step.shape[1] // self.a_unit.shape[1]
@@ -134,8 +139,7 @@ def pack(grouped: GroupedWeight):
     out, inputs = grouped.q.shape
     blocks, groups = -(-out // LANES), inputs // GROUP
     pad = blocks * LANES - out
-    padded = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-              for t in (grouped.q, grouped.a_step, grouped.b_step, grouped.a_unit, grouped.b_unit)]
+    padded = [torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t for t in grouped.tensors()]
     q = padded[0]
     # [block, lane, group, half, load, input of 4]: half 0 is inputs 0..15 of a group, 1 is 16..31
     q = q.view(blocks, LANES, groups, 2, 4, 4)

@@ -88,6 +88,15 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rakv"
 
 
+def file_key(path: Path, *extra) -> str:
+    """A short key for this version of a file (its resolved path, size and mtime) and
+    ``extra``: what a cache derived from the file is filed under, so a changed file is
+    derived again."""
+    stat = path.stat()
+    text = "|".join(map(str, (path.resolve(), stat.st_size, stat.st_mtime_ns, *extra)))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def model_path(mf: ModelFile, root: Path | None = None) -> Path:
     """Final path of ``mf``: ``<root>/models/<name>/<filename>``."""
     return (root or cache_root()) / "models" / mf.name / mf.filename

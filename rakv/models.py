@@ -146,13 +146,10 @@ def _load_gguf(path: Path, dtype):
     and loaded from there afterwards in about a second.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from rakv.model_files import cache_root
+    from rakv.model_files import cache_root, file_key
     if not path.is_file():
         raise PairError(f"GGUF file not found: {path}")
-    stat = path.stat()
-    key = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode(),
-                          digest_size=8).hexdigest()
-    converted = cache_root() / "converted" / f"{path.stem}-{key}"
+    converted = cache_root() / "converted" / f"{path.stem}-{file_key(path, dtype)}"
     if (converted / "config.json").is_file():
         return _load_hf(str(converted), dtype)
     print(f"converting {path.name} to {dtype} (once; cached at {converted})", file=sys.stderr)

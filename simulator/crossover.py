@@ -38,6 +38,10 @@ class Crossover:
     def round_in_steps(self) -> float:
         return self.round_s / self.step_s
 
+    def per_token_ms(self, acceptance) -> list[float]:
+        """ms per output token of this round at each per-token acceptance."""
+        return [self.round_s * 1e3 / expected_progress(a, self.k) for a in acceptance]
+
 
 def step_s(timing: Timing, context: int) -> float:
     return timing.costs.target.decode(context) + timing.overhead.iteration_s
@@ -103,7 +107,7 @@ def plot_crossovers(path: Path, timings: list[Timing], context: int) -> Path:
             if not mine:
                 continue
             color, step_ms = plt.cm.tab10(i % 10), mine[0].step_s * 1e3
-            best = np.min([[r.round_s * 1e3 / expected_progress(a, r.k) for a in acceptance] for r in mine], axis=0)
+            best = np.min([r.per_token_ms(acceptance) for r in mine], axis=0)
             ax.axhline(step_ms, color=color, lw=1.0, ls="--")
             ax.plot(acceptance, best, color=color, label=f"{timing.source} (step {step_ms:.1f} ms)")
             pays = acceptance[best < step_ms]

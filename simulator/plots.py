@@ -13,7 +13,6 @@ from statistics import median
 
 import numpy as np
 
-from rakv.cost_model import expected_progress
 from simulator.crossover import crossovers
 from simulator.timing import Timing
 from simulator.trace import Trace
@@ -63,7 +62,7 @@ def write_plots(directory: Path, results: dict, timing: Timing, trace: Trace) ->
         step_ms = rows[0].step_s * 1e3
         ax.axhline(step_ms, color="black", lw=1.2, label="plain step (k = 0)")
         for i, row in enumerate(r for r in rows if r.drafter == drafter):
-            per_token = [row.round_s * 1e3 / expected_progress(a, row.k) for a in acceptance]
+            per_token = row.per_token_ms(acceptance)
             color = plt.cm.viridis(i / 5)
             ax.plot(acceptance, per_token, color=color, label=f"k = {row.k}")
             if row.break_even is not None:

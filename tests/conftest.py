@@ -21,7 +21,8 @@ def int4_kernel_problem() -> str | None:
     return None
 
 
-NEEDS_INT4 = pytest.mark.skipif(int4_kernel_problem() is not None, reason=f"{int4_kernel_problem()}")
+_INT4_PROBLEM = int4_kernel_problem()
+NEEDS_INT4 = pytest.mark.skipif(_INT4_PROBLEM is not None, reason=str(_INT4_PROBLEM))
 
 
 def hf_greedy(pair, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
