@@ -41,10 +41,9 @@ def forward_ms(model, cache, num_context: int, num_tokens: int) -> float:
 
 
 def cached(model, num_context: int):
-    from transformers import DynamicCache
-
     from rakv.decoding import forward
-    cache = DynamicCache()
+    from rakv.kv_cache import GrowingCache
+    cache = GrowingCache()
     forward(model, cache, [(100 + i % 1000) % model.config.vocab_size for i in range(num_context)])
     return cache
 

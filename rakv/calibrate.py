@@ -18,17 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from rakv.cost_model import PairTimings, fit_timings
 from rakv.decoding import draft_agreement, forward, greedy
 from rakv.drafters import ngram_run_lengths
+from rakv.int4 import kernel as kernel_library
+from rakv.kv_cache import GrowingCache
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
 from rakv.op_timing import CALIBRATION_GRID, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
+from rakv.weights import INT4
 
-CALIBRATION_VERSION = 7
+# Bump when an engine change moves what an op costs (v8: KV caches append in place, rakv.kv_cache).
+CALIBRATION_VERSION = 8
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -48,7 +51,7 @@ def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, flo
     draft_agree, ngram_agree = [], []
     for text in SAMPLE_PROMPTS:
         prompt = pair.encode(text)[: pair.max_positions - num_tokens]
-        cache = DynamicCache()
+        cache = GrowingCache()
         output = greedy(forward(pair.target, cache, prompt))
         while len(output) < num_tokens:
             output += greedy(forward(pair.target, cache, output[-1:]))
@@ -66,9 +69,12 @@ def calibrate(pair: ModelPair) -> PairTimings:
 
 def calibration_path(pair: ModelPair) -> Path:
     # the kernels are part of the machine's speed, not of the models' identity: the same
-    # weights on stock and packed kernels share stored state and learned policies, not timings
-    key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}|{pair.linear_kernels}".encode(),
-                          digest_size=8).hexdigest()
+    # weights on stock and packed kernels share stored state and learned policies, not timings;
+    # an edit of the int4 kernel's source measures again (ctypes' documented ``_name``: the
+    # library's path, named by a hash of its source, compiler and flags)
+    kernel = Path(kernel_library()._name).name if pair.weights == INT4 else ""
+    key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}|{pair.linear_kernels}|{kernel}"
+                          .encode(), digest_size=8).hexdigest()
     return cache_root() / "calibration" / f"v{CALIBRATION_VERSION}-{machine_id()}-{key}.json"
 
 

@@ -18,6 +18,7 @@ from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
 from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, RunLengths, matching_prefix_length
+from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
 from rakv.prefix_index import as_token_array
@@ -143,7 +144,7 @@ class Engine:
         if NGRAM in names:
             drafters[NGRAM] = NgramDrafter(self.config.ngram, max_k=MAX_DRAFT_LENGTH)
         if DRAFT_MODEL in names:
-            cache = self.store.restore(draft_match.entry, draft_reused) if draft_reused else DynamicCache()
+            cache = self.store.restore(draft_match.entry, draft_reused) if draft_reused else GrowingCache()
             drafters[DRAFT_MODEL] = DraftModelDrafter(self.pair.draft, cache)
         return drafters
 
@@ -152,7 +153,7 @@ class Engine:
         n = len(prompt)
         if reused == n:  # an exact repeat: stored logits, no forward
             return self.store.restore(match.entry, n), self.store.stored_logits(match)
-        cache = self.store.restore(match.entry, reused) if reused else DynamicCache()
+        cache = self.store.restore(match.entry, reused) if reused else GrowingCache()
         return cache, forward(self.pair.target, cache, prompt[reused:])[0]
 
     def _store(self, prompt, seq, target_cache, logits_by_len, draft_cache, draft_reused, rounds) -> None:

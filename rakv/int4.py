@@ -157,6 +157,8 @@ class Int4Forward:
         self.lib = kernel()
         self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit = pack(grouped)
         self.per_unit = grouped.per_unit
+        if self.per_unit & (self.per_unit - 1):  # the kernel shifts where it would divide
+            raise ValueError(f"int4 groups share a unit in powers of two, not {self.per_unit}")
         self.out_features, self.in_features = grouped.q.shape
         self.padded = self.a_step.shape[0] * LANES  # the kernel writes whole blocks of 16
         self.bias = None  # [padded]
@@ -165,21 +167,24 @@ class Int4Forward:
             self.bias[:self.out_features] = linear.bias.detach().to(torch.float32)
         self.source = grouped.source
         self.portable = 0  # 1: the kernel's portable path (tests compare the two)
+        # the kernel's arguments that never change, from packed to n (the tensors stay held above)
+        self.weights = (*(t.data_ptr() for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
+                        self.per_unit, None if self.bias is None else self.bias.data_ptr(), self.padded)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch  # already loaded (a quantized model exists): a dictionary lookup
         rows = x.shape[:-1].numel()
-        flat = x.reshape(rows, self.in_features).to(torch.float32).contiguous()  # [rows, in]
+        flat = x.reshape(rows, self.in_features)  # [rows, in]
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
         out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
-        scratch = torch.empty(rows * (self.in_features + 8 * self.in_features // GROUP), dtype=torch.int8)
-        self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, self.packed.data_ptr(),
-                                  self.a_step.data_ptr(), self.b_step.data_ptr(), self.a_unit.data_ptr(),
-                                  self.b_unit.data_ptr(), self.per_unit,
-                                  None if self.bias is None else self.bias.data_ptr(), self.padded,
-                                  out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(), self.portable)
+        if self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, *self.weights, out.data_ptr(),
+                                     torch.get_num_threads(), self.portable):
+            raise MemoryError(f"int4: no memory to quantize {rows} rows of {self.in_features} inputs")
         if self.padded != self.out_features:
             out = out[:, :self.out_features]
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 @functools.cache
@@ -211,8 +216,8 @@ def kernel() -> ctypes.CDLL:
         raise KernelUnavailable(f"cannot load the int4 kernel {target}: {exc}") from None
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     lib.rakv_int4_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, pointer,
-                                     integer, pointer, integer, pointer, pointer, integer, integer]
-    lib.rakv_int4_linear.restype = None
+                                     integer, pointer, integer, pointer, integer, integer]
+    lib.rakv_int4_linear.restype = integer
     lib.rakv_int4_vector.restype = integer
     return lib
 

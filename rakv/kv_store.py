@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from rakv.decoding import forward
+from rakv.kv_cache import GrowingCache
 from rakv.prefix_index import Entry, prefix_digest
 from rakv.store_model import ModelSizes, PrefixMatch, StoreConfig, StoreModel
 
@@ -62,7 +63,7 @@ def model_sizes(cache: DynamicCache, logits: torch.Tensor | None) -> ModelSizes:
 
 def measure_sizes(model) -> ModelSizes:
     """A model's ``ModelSizes``, from a one-token forward."""
-    cache = DynamicCache()
+    cache = GrowingCache()
     return model_sizes(cache, forward(model, cache, [0])[0])
 
 
@@ -100,7 +101,7 @@ class KVStore:
         if not 0 < num_positions <= entry.num_tokens:
             raise ValueError(f"cannot restore {num_positions} positions from a {entry.num_tokens}-token entry")
         start = time.perf_counter()
-        cache = DynamicCache(ddp_cache_data=[  # DynamicLayer.update concatenates: a copy
+        cache = GrowingCache([  # copied into the cache's own buffers
             (k[:, :, :num_positions], v[:, :, :num_positions]) for k, v in tensors_of(entry).layers])
         self.clone_s += time.perf_counter() - start
         return cache

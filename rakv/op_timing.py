@@ -99,8 +99,8 @@ def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0,
 def measure_model(model, role: str, points: PointTimer, max_positions: int, seed: int = 0) -> Iterator[OpRow]:
     """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens after c)."""
     import torch
-    from transformers import DynamicCache
     from rakv.decoding import crop_to, forward
+    from rakv.kv_cache import GrowingCache
     from rakv.kv_store import model_sizes
 
     vocab = model.config.vocab_size
@@ -110,11 +110,11 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
         length = cache.get_seq_length()
         return lambda: (forward(model, cache, token_ids, num_logits), crop_to(cache, length))
 
-    caches: dict[int, DynamicCache] = {}
+    caches: dict[int, GrowingCache] = {}
 
-    def cache_of(num_cached: int) -> DynamicCache:
+    def cache_of(num_cached: int) -> GrowingCache:
         if num_cached not in caches:
-            caches[num_cached] = DynamicCache()
+            caches[num_cached] = GrowingCache()
             if num_cached:
                 forward(model, caches[num_cached], tokens[:num_cached])
         return caches[num_cached]
@@ -142,8 +142,8 @@ def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpR
     model's match of a prompt) and insert (of a working cache's first positions, which
     copies them, as the engine's inserts do), at several entry sizes."""
     import torch
-    from transformers import DynamicCache
     from rakv.decoding import forward
+    from rakv.kv_cache import GrowingCache
     from rakv.kv_store import KVStore
     from rakv.prefix_index import as_token_array
 
@@ -152,7 +152,7 @@ def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpR
             if num + 1 >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
-            source = DynamicCache()
+            source = GrowingCache()
             forward(model, source, tokens + [0])
             store = KVStore()
             store.insert("ops", tokens, source, {})

@@ -25,6 +25,7 @@ TRACES=(
   "smollm2-general-int4|--pair smollm2 --weights int4 --workload profiler/general_prompts.jsonl --max-new-tokens 24 --grid recording --runs-sample 25 --runs-max-new-tokens 24"
   "smollm2-sharegpt|--pair smollm2 --workload sharegpt --requests 40 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval-runs|--pair qwen-coder --workload humaneval --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "qwen-coder-humaneval-int4|--pair qwen-coder --weights int4 --workload humaneval --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
 )
