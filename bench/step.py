@@ -12,9 +12,10 @@ context, rolled back after each. Prints, per mode:
   verification costs) and of float32's (what the mode gains);
 - the one-token step split by torch.profiler: Linear kernels, attention, other torch ops,
   and the rest (Python and dispatch: wall time no op accounts for);
-- resident memory, the pair's both models loaded, each mode in a fresh process (``--rss``):
-  the peak, and after loading its anonymous part (the tensors the process holds; the rest
-  are file pages the loader mapped, which the kernel may drop).
+- memory, the pair's both models loaded, each mode in a fresh process (``--rss``): the
+  model's weights as held (each quantized layer's bytes, a tied weight once), the peak
+  RSS, and after loading its anonymous part (the tensors the process holds; the rest are
+  file pages the loader mapped, which the kernel may drop).
 """
 from __future__ import annotations
 
@@ -98,7 +99,23 @@ def rss_report(pair_name: str, mode: str, which: str) -> dict:
     with open("/proc/self/status") as status:
         kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "RssAnon"))}
     return {"mode": mode, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "rss_mib": kib["VmRSS"] / 1024, "anonymous_rss_mib": kib["RssAnon"] / 1024}
+            "rss_mib": kib["VmRSS"] / 1024, "anonymous_rss_mib": kib["RssAnon"] / 1024,
+            "weights_mib": weight_bytes(model) / 2**20}
+
+
+def weight_bytes(model) -> int:
+    """The bytes of weights ``model`` holds: each quantized layer's own (``num_bytes``), and
+    every other parameter and buffer once (a tied weight counts once)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        quantized = vars(module).get("_rakv_quantized")
+        if quantized is not None:
+            total += quantized.num_bytes
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            if tensor.untyped_storage().data_ptr() not in seen:
+                seen.add(tensor.untyped_storage().data_ptr())
+                total += tensor.untyped_storage().nbytes()
+    return total
 
 
 def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat: int) -> list[str]:
@@ -166,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {mode}: failed: {done.stderr.strip().splitlines()[-1:]}")
             continue
         rss = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"  {mode}: peak {rss['peak_rss_mib']:.0f}; after loading {rss['rss_mib']:.0f}, of which "
-              f"{rss['anonymous_rss_mib']:.0f} the process's own (the rest: file pages mapped while loading)")
+        print(f"  {mode}: weights {rss['weights_mib']:.0f}; peak {rss['peak_rss_mib']:.0f}; after loading "
+              f"{rss['rss_mib']:.0f}, of which {rss['anonymous_rss_mib']:.0f} the process's own (the rest: file "
+              "pages mapped while loading)")
     return 0
 
 

@@ -64,6 +64,10 @@ class StoredRows:
     def __init__(self, raw, source: str, dim: int):
         self.raw, self.source, self.dim = raw, source, dim  # raw [vocab, bytes per row] uint8; source: its type
 
+    @property
+    def num_bytes(self) -> int:
+        return self.raw.numel()  # uint8
+
     def __call__(self, ids):
         import torch
         from gguf import GGMLQuantizationType

@@ -56,7 +56,8 @@ class GroupedWeight:
     unit shared by ``per_unit`` consecutive groups (GGUF Q4_K: 8; Q4_0, Q4_1: 1).
 
     q [out, in] uint8 in 0..15; a_step, b_step [out, in / GROUP] uint8; a_unit, b_unit
-    [out, in / GROUP / per_unit] float32."""
+    [out, in / GROUP / per_unit] float32 holding float16 values (GGUF's units are f16;
+    the kernel keeps them so)."""
     q: torch.Tensor
     a_step: torch.Tensor
     b_step: torch.Tensor
@@ -119,11 +120,19 @@ def _steps(values: torch.Tensor, per_unit: int):
     rounded up (unit * step >= value, to float rounding)."""
     import torch
     out, groups = values.shape
-    unit = values.view(out, groups // per_unit, per_unit).amax(dim=2) / STEPS  # [out, units]
+    unit = _f16_up(values.view(out, groups // per_unit, per_unit).amax(dim=2) / STEPS)  # [out, units]
     if per_unit == 1:
-        return values.contiguous(), torch.ones(out, groups, dtype=torch.uint8)
+        return _f16_up(values), torch.ones(out, groups, dtype=torch.uint8)
     inverse = torch.where(unit > 0, 1 / unit, torch.zeros_like(unit)).repeat_interleave(per_unit, dim=1)
     return unit, torch.ceil(values * inverse).clamp(0, STEPS).to(torch.uint8)
+
+
+def _f16_up(values: torch.Tensor) -> torch.Tensor:
+    """values >= 0 rounded up to float16 values, as float32."""
+    import torch
+    halves = values.clamp_max(torch.finfo(torch.float16).max).to(torch.float16)
+    up = torch.nextafter(halves, torch.full_like(halves, float("inf")))
+    return torch.where(halves.to(torch.float32) < values, up, halves).to(torch.float32)
 
 
 def packable(weight_shape) -> bool:
@@ -133,9 +142,13 @@ def packable(weight_shape) -> bool:
 
 def pack(grouped: GroupedWeight):
     """The kernel's layout (see int4_kernel.c): packed bytes [blocks, groups, 4, 64]; a_step,
-    b_step [blocks, groups, 16] and a_unit, b_unit [blocks, units, 16]; output channels
-    padded with zeros to whole blocks."""
+    b_step [blocks, groups, 16] uint8, or None where every step is 1 and each group has its
+    own unit (Q4_0, Q4_1: the file's 20 bytes per 32 weights); a_unit, b_unit [blocks,
+    units, 16] float16; output channels padded with zeros to whole blocks."""
     import torch
+    for unit in (grouped.a_unit, grouped.b_unit):
+        if not torch.equal(unit.to(torch.float16).to(torch.float32), unit):
+            raise ValueError("int4 units must be float16 values")
     out, inputs = grouped.q.shape
     blocks, groups = -(-out // LANES), inputs // GROUP
     pad = blocks * LANES - out
@@ -146,7 +159,10 @@ def pack(grouped: GroupedWeight):
     nibbles = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [block, lane, group, load, 4]
     packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()  # [block, group, load, lane, 4]
     lanes = lambda t: t.view(blocks, LANES, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
-    return (packed, *(lanes(t) for t in padded[1:]))
+    a_step, b_step, a_unit, b_unit = padded[1:]
+    no_steps = grouped.per_unit == 1 and bool((grouped.a_step == 1).all() and (grouped.b_step == 1).all())
+    steps = (None, None) if no_steps else (lanes(a_step), lanes(b_step))
+    return (packed, *steps, lanes(a_unit.to(torch.float16)), lanes(b_unit.to(torch.float16)))
 
 
 class Int4Forward:
@@ -160,7 +176,7 @@ class Int4Forward:
         if self.per_unit & (self.per_unit - 1):  # the kernel shifts where it would divide
             raise ValueError(f"int4 groups share a unit in powers of two, not {self.per_unit}")
         self.out_features, self.in_features = grouped.q.shape
-        self.padded = self.a_step.shape[0] * LANES  # the kernel writes whole blocks of 16
+        self.padded = self.packed.shape[0] * LANES  # the kernel writes whole blocks of 16
         self.bias = None  # [padded]
         if linear.bias is not None:
             self.bias = torch.zeros(self.padded)
@@ -168,8 +184,15 @@ class Int4Forward:
         self.source = grouped.source
         self.portable = 0  # 1: the kernel's portable path (tests compare the two)
         # the kernel's arguments that never change, from packed to n (the tensors stay held above)
-        self.weights = (*(t.data_ptr() for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
+        self.weights = (*(None if t is None else t.data_ptr()
+                          for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
                         self.per_unit, None if self.bias is None else self.bias.data_ptr(), self.padded)
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes this layer holds."""
+        held = (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit, self.bias)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch  # already loaded (a quantized model exists): a dictionary lookup

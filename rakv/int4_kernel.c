@@ -6,9 +6,10 @@
  * xq in -127..127, one scale per row and group of GROUP inputs (llama.cpp's Q8_0
  * activations). A group's scale and offset are a step count times a unit shared by
  * PER consecutive groups: a[n, g] = a_unit[n, g / PER] * a_step[n, g], b likewise, with
- * 8-bit steps and float units. That is how GGUF's Q4_K stores them (PER = 8: 6-bit scale
- * and min steps per group of 32, f16 units per super-block of 256), in 19 bytes per 32
- * weights where float scales take 24; Q4_0 and Q4_1 have PER = 1 and steps of 1.
+ * 8-bit steps and f16 units. That is how GGUF's Q4_K stores them (PER = 8: 6-bit scale
+ * and min steps per group of 32, f16 units per super-block of 256), in 18.5 bytes per 32
+ * weights; Q4_0 and Q4_1 have PER = 1 and no steps (the pointers are NULL: steps of 1),
+ * their f16 scale and offset as the units: 20 bytes per 32 weights, as in the file.
  *
  * Invariants:
  * - A row's result never depends on the other rows: its integer sums are exact, and its
@@ -27,8 +28,8 @@
  * of 64 bytes; byte j of load i holds q[16 nb + j / 4, 32 g + 4 i + j % 4] in its low
  * nibble and q[16 nb + j / 4, 32 g + 16 + 4 i + j % 4] in its high nibble, so each
  * nibble plane is 16 lanes x 4 consecutive inputs, what vpdpbusd takes. a_step and
- * b_step are [num_blocks, num_groups, 16] bytes, a_unit and b_unit [num_blocks,
- * num_groups / PER, 16] floats.
+ * b_step are [num_blocks, num_groups, 16] bytes (or NULL), a_unit and b_unit
+ * [num_blocks, num_groups / PER, 16] f16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,6 +44,25 @@
 #define TILE 8
 #define BAND 8
 #define QMAX 127.0f
+
+/* An f16 value as a float: exact (every f16 value is a float). */
+static float from_f16(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7f800000 | (mantissa << 13);  /* inf, nan */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (!mantissa) {
+        bits = sign;
+    } else {  /* subnormal: mantissa * 2^-24, normalized */
+        exponent = 113;
+        while (!(mantissa & 1024)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 1023) << 13);
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
 
 /* x [rows, k] -> xq [rows, k], dx and bx = dx * sum(xq) [rows, groups]: symmetric, round
  * half to even. quantize_rows_vector gives the same bits with AVX-512 (16x faster: this
@@ -74,7 +94,7 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *xq, float *dx
  * the portable path, the same float operations in the same order as the vector one.
  * xq, dx, bx start at the tile's first row. */
 static void block_portable(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                           const float *a_unit, const float *b_unit, int shift, int groups,
+                           const uint16_t *a_unit, const uint16_t *b_unit, int shift, int groups,
                            const int8_t *xq, const float *dx, const float *bx, int k,
                            int rows, float *acc, int n) {
     for (int r = 0; r < rows; r++)
@@ -91,8 +111,8 @@ static void block_portable(const uint8_t *packed, const uint8_t *a_step, const u
                         uint8_t byte = block[i * 64 + lane * 4 + j];
                         dot += (int32_t)(byte & 15) * xg[4 * i + j] + (int32_t)(byte >> 4) * xg[16 + 4 * i + j];
                     }
-                float a = a_unit[(g >> shift) * LANES + lane] * (float)a_step[g * LANES + lane];
-                float b = b_unit[(g >> shift) * LANES + lane] * (float)b_step[g * LANES + lane];
+                float a = from_f16(a_unit[(g >> shift) * LANES + lane]) * (a_step ? (float)a_step[g * LANES + lane] : 1.0f);
+                float b = from_f16(b_unit[(g >> shift) * LANES + lane]) * (b_step ? (float)b_step[g * LANES + lane] : 1.0f);
                 float *out = acc + (int64_t)r * n + lane;
                 *out = fmaf((float)dot, a * d, *out);
                 *out = fmaf(b, s, *out);
@@ -104,9 +124,12 @@ static void block_portable(const uint8_t *packed, const uint8_t *a_step, const u
 #if defined(__x86_64__)
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline
 
-VNNI __m512 scales(const uint8_t *step, const float *unit) {  /* 16 lanes: unit * step */
-    __m512 steps = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)step)));
-    return _mm512_mul_ps(_mm512_loadu_ps(unit), steps);
+/* 16 lanes of group g: unit * step (a step of 1 where there are none), as the portable path. */
+VNNI __m512 scales(const uint8_t *step, const uint16_t *unit, int g, int shift) {
+    __m512 units = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + (g >> shift) * LANES)));
+    __m512 steps = step ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(step + g * LANES))))
+                        : _mm512_set1_ps(1.0f);
+    return _mm512_mul_ps(units, steps);
 }
 
 /* quantize_rows with the same bits: the same max, the same multiply, round half to even. */
@@ -135,7 +158,7 @@ static void quantize_rows_vector(const float *x, int rows, int k, int8_t *xq, fl
 }
 
 VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                          const float *a_unit, const float *b_unit, int shift, int groups,
+                          const uint16_t *a_unit, const uint16_t *b_unit, int shift, int groups,
                           const int8_t *xq, const float *dx, const float *bx, int k,
                           const int rows, float *acc, int n) {
     __m512 facc[TILE];
@@ -158,8 +181,8 @@ VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const ui
                 dot[r] = _mm512_dpbusd_epi32(dot[r], w_high, _mm512_set1_epi32(x_high));
             }
         }
-        __m512 va = scales(a_step + g * LANES, a_unit + (g >> shift) * LANES);
-        __m512 vb = scales(b_step + g * LANES, b_unit + (g >> shift) * LANES);
+        __m512 va = scales(a_step, a_unit, g, shift);
+        __m512 vb = scales(b_step, b_unit, g, shift);
         for (int r = 0; r < rows; r++) {
             __m512 d = _mm512_set1_ps(dx[r * groups + g]);
             facc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(va, d), facc[r]);
@@ -172,7 +195,7 @@ VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const ui
 /* One copy per tile height, so each keeps its accumulators in registers. */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 static void block_vnni(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
-                       const float *a_unit, const float *b_unit, int shift, int groups,
+                       const uint16_t *a_unit, const uint16_t *b_unit, int shift, int groups,
                        const int8_t *xq, const float *dx, const float *bx, int k,
                        int rows, float *acc, int n) {
     switch (rows) {
@@ -200,7 +223,7 @@ int rakv_int4_vector(void) {
  * -1 where the quantized inputs' buffer (rows * (k + 8 * k / GROUP) bytes, kept per
  * calling thread and grown as needed) cannot be allocated. */
 int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, const uint8_t *a_step,
-                     const uint8_t *b_step, const float *a_unit, const float *b_unit, int per,
+                     const uint8_t *b_step, const uint16_t *a_unit, const uint16_t *b_unit, int per,
                      const float *bias, int n, float *y, int num_threads, int portable) {
     static __thread int8_t *scratch = NULL;
     static __thread size_t scratch_bytes = 0;
@@ -231,8 +254,9 @@ int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, con
             const int8_t *xt = xq + (int64_t)r0 * k;
             for (int nb = band * BAND; nb < nb1; nb++) {
                 const uint8_t *block = packed + (int64_t)nb * groups * 256;
-                const uint8_t *as = a_step + (int64_t)nb * groups * LANES, *bs = b_step + (int64_t)nb * groups * LANES;
-                const float *au = a_unit + (int64_t)nb * units * LANES, *bu = b_unit + (int64_t)nb * units * LANES;
+                const uint8_t *as = a_step ? a_step + (int64_t)nb * groups * LANES : NULL;
+                const uint8_t *bs = b_step ? b_step + (int64_t)nb * groups * LANES : NULL;
+                const uint16_t *au = a_unit + (int64_t)nb * units * LANES, *bu = b_unit + (int64_t)nb * units * LANES;
                 float *acc = y + (int64_t)r0 * n + nb * LANES;
 #if defined(__x86_64__)
                 if (vector)

@@ -56,7 +56,7 @@ AUTO, FP32, INT8, INT4 = "auto", "fp32", "int8", "int4"
 WEIGHTS = (AUTO, FP32, INT8, INT4)  # the choices of --weights
 # A change in how a mode quantizes is a new model: bump its tag and every fingerprint moves.
 FORMATS = {INT8: "int8: per-channel symmetric weights, per-row dynamic symmetric activations, v1",
-           INT4: "int4: groups of 32, w = a q + b, per-group symmetric int8 activations, v1"}
+           INT4: "int4: groups of 32, w = a q + b, f16 units, per-group symmetric int8 activations, v2"}
 WEIGHTS_HELP = ("precision of the Linear layers (rows stay exact; each mode is its own model): int4 runs a "
                 "GGUF's 4-bit groups as stored (5-8 bit tensors as int8, float ones quantized to 4-bit groups); "
                 "int8 per-channel int8 weights, per-row int8 activations; fp32 as loaded; auto: int4 for a GGUF "
@@ -87,6 +87,13 @@ class Int8Forward:
         self.zero_points = torch.zeros(scale.shape[0], dtype=torch.int64)
         self.bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)  # [out]
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes this layer holds: its int8 weight (packed by oneDNN, padded to
+        MIN_COLUMNS), the channel scales and the bias."""
+        held = self.scale.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
+        return self.in_features * self.scale.numel() + held
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch  # already loaded (a quantized model exists): a dictionary lookup

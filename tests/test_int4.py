@@ -39,15 +39,20 @@ def test_the_kernel_computes_what_it_says(shape):
 
 
 @NEEDS_INT4
-def test_both_paths_and_any_threads_give_the_same_bits():
+@pytest.mark.parametrize("inputs, weight_scale", [(1536, 1.0), (96, 1e-4)])  # steps per 8 groups; none, f16 subnormal units
+def test_both_paths_and_any_threads_give_the_same_bits(inputs, weight_scale):
     """The portable path also quantizes the activations with its own (scalar) loop."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(1536, 600)
-    layer = int4.Int4Forward(linear, int4.quantize_groups(linear.weight))
-    x = torch.randn(13, 1536)
+    linear = torch.nn.Linear(inputs, 600)
+    grouped = int4.quantize_groups(linear.weight * weight_scale)
+    layer = int4.Int4Forward(linear, grouped)
+    assert (layer.a_step is None) == (grouped.per_unit == 1)
+    x = torch.randn(13, inputs)
     x[0, :32] = torch.arange(32) - 15.5  # scale 1: every input a tie the two paths round to even
     x[0, 31] = -127.0
     one_thread = layer(x)
+    torch.testing.assert_close(one_thread.double(), reference(grouped, x) + linear.bias.double(), rtol=1e-5,
+                               atol=1e-5 * float(one_thread.abs().max()))
     layer.portable = 1
     assert torch.equal(layer(x), one_thread)
     layer.portable = 0
