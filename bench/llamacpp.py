@@ -22,7 +22,9 @@ the prompt to the last token. llama.cpp's times are its own printed prompt and g
 times (model loading excluded); the engine's are wall times. It prints the ratios to
 llama.cpp plain greedy and to llama.cpp's best speculative setting, and whether each
 llama.cpp output equals llama.cpp's own greedy output (its arithmetic depends on the
-batch size, so its speculation is not always exact).
+batch size, so its speculation is not always exact). Beside each, the prompt's rate:
+prompt tokens over llama.cpp's prompt eval (or encode) time, or over the engine's time to
+its first token (prefill, the draft's included, and the decision).
 """
 from __future__ import annotations
 
@@ -103,11 +105,14 @@ def build(jobs: int = 1) -> None:
 
 @dataclass(frozen=True)
 class Run:
-    """One request: new tokens, seconds from the prompt to the last token, the output."""
+    """One request: new tokens, seconds from the prompt to the last token, the output, and
+    the prompt's tokens and seconds (to the first new token's logits)."""
 
     num_tokens: int
     seconds: float
     text: str
+    num_prompt_tokens: int
+    prompt_s: float
 
 
 def _timing_s(pattern: str, log: str) -> float:
@@ -134,25 +139,31 @@ def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_toke
         raise OSError(f"{tool} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     log = done.stderr
     if tool == "llama-completion":
-        seconds = (_timing_s(r"prompt eval time =\s+([\d.]+) ms", log) + _timing_s(r"\beval time =\s+([\d.]+) ms", log))
+        prompt = re.findall(r"prompt eval time =\s+([\d.]+) ms /\s+(\d+) tokens", log)
+        if not prompt:
+            raise OSError(f"llama.cpp printed no prompt eval timing; log tail: {log[-400:]!r}")
+        prompt_s, num_prompt_tokens = float(prompt[-1][0]) / 1e3, int(prompt[-1][1])
+        seconds = prompt_s + _timing_s(r"\beval time =\s+([\d.]+) ms", log)
         text = done.stdout
     else:  # speculative and lookup print "encoded N tokens in X seconds" and "decoded N tokens in Y seconds";
         # they may decode past -n (an accepted draft's tail), so the count is theirs, and they echo the prompt
-        encoded = re.findall(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        encoded = re.findall(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         decoded = re.findall(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
         if not encoded or not decoded:
             raise OSError(f"{tool} printed no encode/decode timing; log tail: {log[-400:]!r}")
-        seconds = float(encoded[-1]) + float(decoded[-1][1])
+        num_prompt_tokens, prompt_s = int(encoded[-1][0]), float(encoded[-1][1])
+        seconds = prompt_s + float(decoded[-1][1])
         num_tokens = int(decoded[-1][0])
         at = done.stdout.find(prompt)
         text = done.stdout[at + len(prompt):] if at >= 0 else done.stdout
-    return Run(num_tokens, seconds, text)
+    return Run(num_tokens, seconds, text, num_prompt_tokens, prompt_s)
 
 
 def engine_run(engine, prompt_ids: list[int], num_tokens: int, pair) -> Run:
     start = time.perf_counter()
     result = engine.generate(prompt_ids, num_tokens)
-    return Run(len(result.output_ids), time.perf_counter() - start, pair.decode(list(result.output_ids)))
+    return Run(len(result.output_ids), time.perf_counter() - start, pair.decode(list(result.output_ids)),
+               len(prompt_ids), result.ttft_s)
 
 
 @dataclass
@@ -165,6 +176,10 @@ class Tally:
     def tokens_per_s(self, name: str) -> float:
         runs = self.runs[name]
         return sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs)
+
+    def prompt_tokens_per_s(self, name: str) -> float:
+        runs = self.runs[name]
+        return sum(r.num_prompt_tokens for r in runs) / sum(r.prompt_s for r in runs)
 
 
 def bench(args) -> int:
@@ -224,7 +239,8 @@ def bench(args) -> int:
             rate = tally.tokens_per_s(name)
             same = f"   equals llama.cpp greedy on {exact[name]}/{num_prompts} prompts" if name in exact else ""
             print(f"  {name:42} {rate:7.2f} tok/s  x{rate / plain:5.2f} llama.cpp greedy  "
-                  f"x{rate / tally.tokens_per_s(best_spec):5.2f} its best speculative{same}")
+                  f"x{rate / tally.tokens_per_s(best_spec):5.2f} its best speculative  "
+                  f"prompt {tally.prompt_tokens_per_s(name):6.1f} tok/s{same}")
     return 0
 
 
