@@ -5,7 +5,10 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   to ``RECORDED_MAX_K``) from one teacher-forced pass, plus the draft model's probability
   of its own token at every position (the acceptance of every policy replays from these);
 - ops: the timing grid of ``rakv.op_timing`` (prefill, decode, verify, clone, lookup,
-  insert, propose);
+  insert, propose). With runs, the grid is timed in passes of one repeat each, spread
+  across them (before the first run, between, after the last), so a point's median
+  spans the conditions the runs were timed in: timed in one block, a slow few minutes of
+  a shared machine moved every op (a 16-token prefill 72 ms in the ops, 50 in the runs);
 - runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
   request under every policy before the next), each checked token for token against the
   greedy output; a run its siblings say was slowed is timed again (``profiler.run_noise``);
@@ -27,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import EngineSnapshot, NoiseGuard, SlowRuns, median_attempt, priced_s
@@ -189,11 +193,21 @@ def record_requests(writer: TraceWriter, pair, workload, args, progress) -> dict
     return recorded
 
 
-def record_ops(writer: TraceWriter, pair, args, progress) -> None:
+def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None = None) -> None:
+    """The ops grid, or the given repeats of it (a pass); rows already written are skipped."""
     done = frozenset(writer.existing_keys("ops"))
-    rows = measure_pair(pair, GRIDS[args.grid], args.device, done)
-    for row in progress(rows, desc="ops", unit="op"):
+    rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats)
+    desc = "ops" if repeats is None else f"ops pass {repeats.start + 1}/{GRIDS[args.grid].repeats}"
+    for row in progress(rows, desc=desc, unit="op"):
         writer.append("ops", [row])
+
+
+def pass_starts(num_passes: int, num_rows: int) -> list[int]:
+    """Before which of ``num_rows`` runs' requests each ops pass goes (``num_rows``: after
+    the last), evenly from the first to after the last."""
+    if num_passes == 1:
+        return [0]
+    return [round(i * num_rows / (num_passes - 1)) for i in range(num_passes)]
 
 
 def sample_requests(requests: dict[int, RequestRow], count: int) -> list[RequestRow]:
@@ -212,14 +226,15 @@ def run_policies(pair, args) -> list[str]:
 
 
 def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inputs: DecisionInputs, args,
-                progress) -> None:
+                progress, ops_pass: Callable[[int], None] | None = None) -> None:
     """Every policy on the sample, each in its own engine (so hits come from the sample's
     own earlier requests), in lockstep: each request under every policy before the next,
     so drift in the machine's load falls on every policy alike. A run that its siblings
     say was slowed is timed again from the same state (``profiler.run_noise``). Each
     output is checked token for token against the greedy output. A resumed recording
     runs the recorded requests again (the engines' stores and the adaptive policy's
-    state need them) and writes only the missing rows."""
+    state need them) and writes only the missing rows. ``ops_pass(i)`` times the ops
+    grid's repeat i; the passes go at ``pass_starts``."""
     from rakv.controller import make_policy
     from rakv.engine import Engine
 
@@ -232,7 +247,10 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                for name in run_policies(pair, args)}
     bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
     num_repeated = 0
-    for row in sample:
+    starts = pass_starts(GRIDS[args.grid].repeats, len(sample)) if ops_pass is not None else []
+    for index, row in enumerate(sample):
+        for i in (i for i, start in enumerate(starts) if start == index):
+            ops_pass(i)
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
         prompt = list(row.prompt_ids)
         guarded = guard.max_attempts > 1 and any((row.request_id, name) not in done_runs for name in engines)
@@ -257,6 +275,8 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
             if decisions[name] is not None and (row.request_id, name) not in done_decisions:
                 writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
+    for i in (i for i, start in enumerate(starts) if start == len(sample)):
+        ops_pass(i)
     print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed",
           file=sys.stderr)
 
@@ -310,10 +330,13 @@ def run(args) -> int:
     with TraceWriter(out, trace_meta(args, pair, inputs), resume=args.resume, flush_every_rows=args.flush_rows) as writer:
         if workload is not None and "requests" not in args.skip:
             requests = record_requests(writer, pair, workload, args, progress)
-        if "ops" not in args.skip:
+        with_runs = workload is not None and "runs" not in args.skip and "requests" not in args.skip
+        timed = "ops" not in args.skip
+        if timed and not with_runs:
             record_ops(writer, pair, args, progress)
-        if workload is not None and "runs" not in args.skip and "requests" not in args.skip:
-            record_runs(writer, pair, requests, inputs, args, progress)
+        if with_runs:  # the ops' repeats in passes spread across the runs
+            ops_pass = (lambda i: record_ops(writer, pair, args, progress, range(i, i + 1))) if timed else None
+            record_runs(writer, pair, requests, inputs, args, progress, ops_pass)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

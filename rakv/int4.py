@@ -184,7 +184,7 @@ class Int4Forward:
         self.source = grouped.source
         self.portable = 0  # 1: the kernel's portable path (tests compare the two)
         # the kernel's arguments that never change, from packed to n (the tensors stay held above)
-        self.weights = (*(None if t is None else t.data_ptr()
+        self.layer_arguments = (*(None if t is None else t.data_ptr()
                           for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
                         self.per_unit, None if self.bias is None else self.bias.data_ptr(), self.padded)
 
@@ -201,7 +201,7 @@ class Int4Forward:
         if flat.dtype != torch.float32 or not flat.is_contiguous():
             flat = flat.to(torch.float32).contiguous()
         out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
-        if self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, *self.weights, out.data_ptr(),
+        if self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, *self.layer_arguments, out.data_ptr(),
                                      torch.get_num_threads(), self.portable):
             raise MemoryError(f"int4: no memory to quantize {rows} rows of {self.in_features} inputs")
         if self.padded != self.out_features:

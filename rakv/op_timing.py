@@ -76,19 +76,22 @@ class OpTimer:
 
 
 class PointTimer:
-    """Times grid points: warm-up runs, then one row per timed repeat. A point whose rows
-    are all in ``done`` (the ops keys of a resumed recording) is not measured again."""
+    """Times grid points: warm-up runs, then one row per timed repeat (those in ``repeats``:
+    all of the grid's by default, or some, for a pass of a recording that spreads them). A
+    point whose rows are all in ``done`` (the ops keys of a resumed recording) is not
+    measured again."""
 
-    def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset()):
+    def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset(), repeats: range | None = None):
         self.grid, self.timer, self.done = grid, timer, done
+        self.repeats = range(grid.repeats) if repeats is None else repeats
 
     def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
-        keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in range(self.grid.repeats)]
+        keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in self.repeats]
         if all(key in self.done for key in keys):
             return
         for _ in range(self.grid.warmup):
             fn()
-        for repeat in range(self.grid.repeats):
+        for repeat in self.repeats:
             yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), **row)
 
 
@@ -173,10 +176,11 @@ def measure_ngram(points: PointTimer, seed: int = 0) -> Iterator[OpRow]:
         yield from points(lambda: ngram_propose(history, 8), **_row("ngram", "propose", 8, n, k=8))
 
 
-def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = frozenset()) -> Iterator[OpRow]:
+def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = frozenset(),
+                 repeats: range | None = None) -> Iterator[OpRow]:
     """Every op of the grid for the pair's target, its draft (if any), the store and ngram,
-    skipping the points whose rows are all in ``done``."""
-    points = PointTimer(grid, OpTimer(device), done)
+    skipping the points whose rows are all in ``done``; only ``repeats`` if given."""
+    points = PointTimer(grid, OpTimer(device), done, repeats)
     yield from measure_model(pair.target, "target", points, pair.max_positions)
     if pair.draft is not None:
         yield from measure_model(pair.draft, "draft", points, pair.max_positions)

@@ -39,7 +39,8 @@ def test_the_kernel_computes_what_it_says(shape):
 
 
 @NEEDS_INT4
-@pytest.mark.parametrize("inputs, weight_scale", [(1536, 1.0), (96, 1e-4)])  # steps per 8 groups; none, f16 subnormal units
+# 1536 inputs: steps, a unit per 8 groups; 96: no steps, units that are f16 subnormals
+@pytest.mark.parametrize("inputs, weight_scale", [(1536, 1.0), (96, 1e-4)])
 def test_both_paths_and_any_threads_give_the_same_bits(inputs, weight_scale):
     """The portable path also quantizes the activations with its own (scalar) loop."""
     torch.manual_seed(0)

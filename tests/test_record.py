@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 import rakv.calibrate
-from profiler.record import main
+from profiler.record import main, pass_starts
 from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
 from profiler.trace_io import final_path, parts_dir, read_meta, read_table
 from rakv.acceptance import replay_request
+from rakv.op_timing import CALIBRATION_GRID
 from rakv.drafters import RunLengths
 from rakv.round_planner import FixedRounds, PlannerConfig
 from simulator.session import replay_runs, run_mismatch
@@ -61,6 +62,14 @@ def test_tables_and_metadata(trace):
             ("store", "clone"), ("store", "lookup"), ("store", "insert"), ("ngram", "propose")} <= ops
     decisions = rows(trace, "decisions")
     assert decisions and all(d.policy == "rakv" and d.predicted_cost_s > 0 for d in decisions)
+
+
+def test_the_ops_repeats_are_timed_in_passes_spread_across_the_runs(trace):
+    assert pass_starts(5, 10) == [0, 2, 5, 8, 10] and pass_starts(3, 1) == [0, 0, 1] and pass_starts(1, 4) == [0]
+    repeats = {}
+    for r in rows(trace, "ops"):  # every point has every repeat, each once, whichever pass timed it
+        repeats.setdefault((r.model, r.op, r.num_new_tokens, r.num_cached_tokens, r.k, r.num_bytes), []).append(r.repeat)
+    assert repeats and all(sorted(v) == list(range(CALIBRATION_GRID.repeats)) for v in repeats.values())
 
 
 def test_every_run_is_identical_and_replays_exactly(trace):
