@@ -248,9 +248,12 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
     bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
     num_repeated = 0
     starts = pass_starts(GRIDS[args.grid].repeats, len(sample)) if ops_pass is not None else []
-    for index, row in enumerate(sample):
-        for i in (i for i, start in enumerate(starts) if start == index):
+
+    def passes_at(position: int) -> None:  # the ops passes that go before request ``position``
+        for i in (i for i, start in enumerate(starts) if start == position):
             ops_pass(i)
+    for index, row in enumerate(sample):
+        passes_at(index)
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
         prompt = list(row.prompt_ids)
         guarded = guard.max_attempts > 1 and any((row.request_id, name) not in done_runs for name in engines)
@@ -275,8 +278,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
             if decisions[name] is not None and (row.request_id, name) not in done_decisions:
                 writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
-    for i in (i for i, start in enumerate(starts) if start == len(sample)):
-        ops_pass(i)
+    passes_at(len(sample))  # after the last
     print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed",
           file=sys.stderr)
 

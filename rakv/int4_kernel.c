@@ -132,11 +132,16 @@ VNNI __m512 scales(const uint8_t *step, const uint16_t *unit, int g, int shift) 
     return _mm512_mul_ps(units, steps);
 }
 
+/* 16 inputs times inverse, rounded half to even and clamped to -QMAX..QMAX, as int32. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i quantize16(__m512 v, __m512 inverse) {
+    __m512 rounded = _mm512_roundscale_ps(_mm512_mul_ps(v, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(rounded, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX)));
+}
+
 /* quantize_rows with the same bits: the same max, the same multiply, round half to even. */
 __attribute__((target("avx512f,avx512bw")))
 static void quantize_rows_vector(const float *x, int rows, int k, int8_t *xq, float *dx, float *bx) {
     int groups = k / GROUP;
-    const __m512 top = _mm512_set1_ps(QMAX), bottom = _mm512_set1_ps(-QMAX);
     for (int r = 0; r < rows; r++) {
         for (int g = 0; g < groups; g++) {
             const float *v = x + (int64_t)r * k + g * GROUP;
@@ -144,10 +149,7 @@ static void quantize_rows_vector(const float *x, int rows, int k, int8_t *xq, fl
             float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             float scale = amax / QMAX;
             __m512 inverse = _mm512_set1_ps(amax > 0.0f ? QMAX / amax : 0.0f);
-            __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
-                _mm512_mul_ps(v0, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), bottom), top));
-            __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(
-                _mm512_mul_ps(v1, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), bottom), top));
+            __m512i q0 = quantize16(v0, inverse), q1 = quantize16(v1, inverse);
             int8_t *out = xq + (int64_t)r * k + g * GROUP;
             _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtepi32_epi8(q1));
