@@ -30,8 +30,9 @@ from rakv.op_timing import CALIBRATION_GRID, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
 from rakv.weights import INT4
 
-# Bump when an engine change moves what an op costs (v8: KV caches append in place, rakv.kv_cache).
-CALIBRATION_VERSION = 8
+# Bump when an engine change moves what an op costs or how it is measured (v8: KV caches
+# append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step).
+CALIBRATION_VERSION = 9
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -63,7 +64,12 @@ def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, flo
 
 def calibrate(pair: ModelPair) -> PairTimings:
     device = str(pair.target.device)
-    rows = list(measure_pair(pair, CALIBRATION_GRID, device))
+    # in passes of one repeat each, not each op's repeats in a block, so that every op's
+    # median spans the same minutes of the machine and the fit compares each verify row
+    # with the step of its own pass (rakv.cost_model): timed in blocks, the verify points
+    # of one calibration caught a fast minute and priced a 17-token forward at one step
+    rows = [row for i in range(CALIBRATION_GRID.repeats)
+            for row in measure_pair(pair, CALIBRATION_GRID, device, repeats=range(i, i + 1))]
     return fit_timings(rows, *acceptance_priors(pair))
 
 
