@@ -44,6 +44,7 @@
 #define TILE 8
 #define BAND 8
 #define QMAX 127.0f
+#define PREFETCH 4096  /* bytes: 16 groups ahead (2048-8192 did alike) */
 
 /* An f16 value as a float: exact (every f16 value is a float). */
 static float from_f16(uint16_t h) {
@@ -168,6 +169,10 @@ VNNI void block_vnni_rows(const uint8_t *packed, const uint8_t *a_step, const ui
     for (int r = 0; r < rows; r++) facc[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         const uint8_t *block = packed + (int64_t)g * 256;
+        /* one core keeps too few loads in flight to stream memory at its bandwidth: asking
+         * for the weights PREFETCH bytes ahead took 1536x8960 at 1 row from 8.1 to 11.8 GB/s
+         * and at 8 rows from 6.2 to 9.2 (past the buffer's end too: a prefetch never faults) */
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)block + PREFETCH + line, _MM_HINT_T0);
         __m512i dot[TILE];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
