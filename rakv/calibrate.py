@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,9 +68,10 @@ def calibrate(pair: ModelPair) -> PairTimings:
     # in passes of one repeat each, not each op's repeats in a block, so that every op's
     # median spans the same minutes of the machine and the fit compares each verify row
     # with the step of its own pass (rakv.cost_model): timed in blocks, the verify points
-    # of one calibration caught a fast minute and priced a 17-token forward at one step
-    rows = [row for i in range(CALIBRATION_GRID.repeats)
-            for row in measure_pair(pair, CALIBRATION_GRID, device, repeats=range(i, i + 1))]
+    # of one calibration caught a fast minute and priced a 17-token forward at one step.
+    # The first pass warms every point up; the later ones follow it directly.
+    grids = [CALIBRATION_GRID] + [replace(CALIBRATION_GRID, warmup=0)] * (CALIBRATION_GRID.repeats - 1)
+    rows = [row for i, grid in enumerate(grids) for row in measure_pair(pair, grid, device, repeats=range(i, i + 1))]
     return fit_timings(rows, *acceptance_priors(pair))
 
 
