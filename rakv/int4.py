@@ -241,8 +241,20 @@ def kernel() -> ctypes.CDLL:
     lib.rakv_int4_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, pointer,
                                      integer, pointer, integer, pointer, integer, integer]
     lib.rakv_int4_linear.restype = integer
+    lib.rakv_int8_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, integer, pointer,
+                                     integer, integer]
+    lib.rakv_int8_linear.restype = integer
     lib.rakv_int4_vector.restype = integer
     return lib
+
+
+def kernel_or_none() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be built here (int8 then runs on oneDNN,
+    with the same bits)."""
+    try:
+        return kernel()
+    except KernelUnavailable:
+        return None
 
 
 def _run(command):

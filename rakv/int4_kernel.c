@@ -229,18 +229,24 @@ int rakv_int4_vector(void) {
  * caller pads), per a power of two. portable: 1 forces the portable path. Returns 0, or
  * -1 where the quantized inputs' buffer (rows * (k + 8 * k / GROUP) bytes, kept per
  * calling thread and grown as needed) cannot be allocated. */
-int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, const uint8_t *a_step,
-                     const uint8_t *b_step, const uint16_t *a_unit, const uint16_t *b_unit, int per,
-                     const float *bias, int n, float *y, int num_threads, int portable) {
+/* The calling thread's buffer for quantized inputs, of at least ``needed`` bytes, grown as
+ * needed and kept; NULL where it cannot be allocated. */
+static int8_t *scratch_of(size_t needed) {
     static __thread int8_t *scratch = NULL;
     static __thread size_t scratch_bytes = 0;
-    size_t needed = (size_t)rows * (k + 8 * (k / GROUP));
     if (needed > scratch_bytes) {
         free(scratch);
         scratch = malloc(needed);
         scratch_bytes = scratch ? needed : 0;
-        if (!scratch) return -1;
     }
+    return scratch;
+}
+
+int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, const uint8_t *a_step,
+                     const uint8_t *b_step, const uint16_t *a_unit, const uint16_t *b_unit, int per,
+                     const float *bias, int n, float *y, int num_threads, int portable) {
+    int8_t *scratch = scratch_of((size_t)rows * (k + 8 * (k / GROUP)));
+    if (!scratch) return -1;
     int groups = k / GROUP, blocks = n / LANES, bands = (blocks + BAND - 1) / BAND, units = groups / per;
     int shift = __builtin_ctz(per);  /* per is a power of two: a group's unit is g >> shift, no division */
     int8_t *xq = scratch;
@@ -279,5 +285,147 @@ int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, con
     if (bias)
         for (int r = 0; r < rows; r++)
             for (int col = 0; col < n; col++) y[(int64_t)r * n + col] += bias[col];
+    return 0;
+}
+
+
+/* ---- int8 per-channel weights (rakv/weights.py's Int8Forward) ----
+ *
+ * y[r, n] = ((float)sum_k wq[n, k] * xq[r, k] * w_scale[n]) * x_scale[r] (+ bias[n]), the
+ * float operations in that order, with x_scale[r] = max(max_k |x[r, k]|, TINY) / 127 and
+ * xq = x / x_scale rounded half to even: the bits of the oneDNN path it replaces (test),
+ * in one call where that path took a dozen torch ops per layer. Rows never mix (integer
+ * sums, then elementwise float operations).
+ *
+ * Packed layout: output channels in blocks of 16 lanes; for block nb and inputs 4j..4j+3,
+ * 64 bytes at packed + (nb * k / 4 + j) * 64, byte 4 lane + i = wq[16 nb + lane, 4 j + i].
+ * VNNI multiplies unsigned by signed bytes, so the inputs go in as xq + 128 and
+ * 128 * colsum[n] (colsum[n] = sum_k wq[n, k]) comes off: exact integers. k is a multiple
+ * of 4. */
+
+#define TINY 1e-30f
+#define TILE8 16  /* rows per weight load: one accumulator each, no per-group epilogue */
+
+static void quantize_rows8(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (int64_t)r * k;
+        float amax = 0.0f;
+        for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(v[i]));
+        float scale = fmaxf(amax, TINY) / QMAX;
+        for (int i = 0; i < k; i++)
+            xu[(int64_t)r * k + i] = (uint8_t)((int)fminf(fmaxf(nearbyintf(v[i] / scale), -QMAX), QMAX) + 128);
+        x_scale[r] = scale;
+    }
+}
+
+static void block8_portable(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
+                            const uint8_t *xu, const float *x_scale, int k, int rows, float *y, int n) {
+    for (int r = 0; r < rows; r++)
+        for (int lane = 0; lane < LANES; lane++) {
+            int32_t dot = 0;
+            for (int j = 0; j < k / 4; j++)
+                for (int i = 0; i < 4; i++)
+                    dot += (int32_t)xu[(int64_t)r * k + 4 * j + i] * packed[(int64_t)j * 64 + lane * 4 + i];
+            float out = (float)(dot - 128 * colsum[lane]) * w_scale[lane] * x_scale[r];
+            y[(int64_t)r * n + lane] = bias ? out + bias[lane] : out;
+        }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw")))
+static void quantize_rows8_vector(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
+    for (int r = 0; r < rows; r++) {
+        const float *v = x + (int64_t)r * k;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < k; i += 16) {
+            __mmask16 live = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, v + i)));
+        }
+        float scale = fmaxf(_mm512_reduce_max_ps(amax), TINY) / QMAX;
+        __m512 divisor = _mm512_set1_ps(scale);
+        for (int i = 0; i < k; i += 16) {
+            __mmask16 live = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+            __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(live, v + i), divisor),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            rounded = _mm512_min_ps(_mm512_max_ps(rounded, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
+            __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(rounded), _mm512_set1_epi32(128));
+            _mm512_mask_cvtepi32_storeu_epi8(xu + (int64_t)r * k + i, live, shifted);  /* low bytes: 1..255 */
+        }
+        x_scale[r] = scale;
+    }
+}
+
+VNNI void block8_vnni_rows(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
+                           const uint8_t *xu, const float *x_scale, int k, const int rows, float *y, int n) {
+    __m512i dot[TILE8];
+    for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+    for (int j = 0; j < k / 4; j++) {
+        const int8_t *w = packed + (int64_t)j * 64;
+        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        __m512i weights = _mm512_loadu_si512((const void *)w);
+        for (int r = 0; r < rows; r++) {
+            int32_t inputs;
+            memcpy(&inputs, xu + (int64_t)r * k + 4 * j, 4);
+            dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(inputs), weights);
+        }
+    }
+    __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512((const void *)colsum), 7);  /* 128 colsum */
+    __m512 scale = _mm512_loadu_ps(w_scale);
+    for (int r = 0; r < rows; r++) {
+        __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), scale),
+                                   _mm512_set1_ps(x_scale[r]));
+        if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
+        _mm512_storeu_ps(y + (int64_t)r * n, out);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+static void block8_vnni(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
+                        const uint8_t *xu, const float *x_scale, int k, int rows, float *y, int n) {
+    switch (rows) {
+#define ROWS(R) case R: block8_vnni_rows(packed, colsum, w_scale, bias, xu, x_scale, k, R, y, n); break;
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
+#undef ROWS
+    }
+}
+#endif
+
+/* y [rows, n] = x [rows, k] @ (wq * w_scale).T (+ bias), as above; n a multiple of 16 (the
+ * caller pads), k of 4. Returns 0, or -1 where the quantized inputs' buffer cannot be
+ * allocated. */
+int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, const int32_t *colsum,
+                     const float *w_scale, const float *bias, int n, float *y, int num_threads, int portable) {
+    int8_t *scratch = scratch_of((size_t)rows * k + 4 * (size_t)rows);
+    if (!scratch) return -1;
+    uint8_t *xu = (uint8_t *)scratch;
+    float *x_scale = (float *)(scratch + (int64_t)rows * k);
+    int blocks = n / LANES, bands = (blocks + BAND - 1) / BAND;
+    int vector = !portable && rakv_int4_vector();
+#if defined(__x86_64__)
+    if (vector)
+        quantize_rows8_vector(x, rows, k, xu, x_scale);
+    else
+#endif
+        quantize_rows8(x, rows, k, xu, x_scale);
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int band = 0; band < bands; band++) {
+        int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
+        for (int r0 = 0; r0 < rows; r0 += TILE8) {
+            int tile = rows - r0 < TILE8 ? rows - r0 : TILE8;
+            for (int nb = band * BAND; nb < nb1; nb++) {
+                const int8_t *block = packed + (int64_t)nb * k * LANES;
+                const int32_t *cs = colsum + nb * LANES;
+                const float *ws = w_scale + nb * LANES, *bs = bias ? bias + nb * LANES : NULL;
+                float *out = y + (int64_t)r0 * n + nb * LANES;
+#if defined(__x86_64__)
+                if (vector)
+                    block8_vnni(block, cs, ws, bs, xu + (int64_t)r0 * k, x_scale + r0, k, tile, out, n);
+                else
+#endif
+                    block8_portable(block, cs, ws, bs, xu + (int64_t)r0 * k, x_scale + r0, k, tile, out, n);
+            }
+        }
+    }
     return 0;
 }

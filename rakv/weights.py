@@ -72,33 +72,68 @@ MIN_ROWS = 4  # fewer rows take a slow oneDNN path for narrow layers: 896->128 c
 
 
 class Int8Forward:
-    """A Linear's forward on int8 weights: x [..., in] -> [..., out] in x's dtype."""
+    """A Linear's forward on int8 weights: x [..., in] -> [..., out] in x's dtype.
+
+    Runs on the project's C kernel (``rakv/int4_kernel.c``: one call per layer, the
+    weights prefetched) where it builds, else on oneDNN's int8 inner product: the same
+    bits either way (tests/test_weights.py), so which one runs is not part of the model."""
 
     def __init__(self, linear: torch.nn.Linear):
         import torch
+        from rakv import int4
         weight = linear.weight.detach().to(torch.float32)  # [out, in]
         scale = weight.abs().amax(dim=1).clamp_min(TINY) / QMAX  # [out]
         quantized = torch.round(weight / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)  # [out, in]
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)  # [out]
+        self.lib = int4.kernel_or_none() if self.in_features % 4 == 0 else None
+        self.portable = 0  # 1: the C kernel's portable path (tests compare the two)
+        if self.lib is not None:
+            padded = -(-self.out_features // int4.LANES) * int4.LANES  # the kernel writes whole blocks of 16
+            extra = padded - self.out_features
+            quantized = torch.cat([quantized, quantized.new_zeros(extra, self.in_features)])
+            # [block, in / 4, lane, 4]: 16 channels x 4 inputs per 64-byte load
+            self.packed = quantized.view(padded // int4.LANES, int4.LANES, self.in_features // 4, 4) \
+                .transpose(1, 2).contiguous()
+            self.colsum = quantized.sum(dim=1, dtype=torch.int32)  # [padded]
+            self.scale = torch.cat([scale, scale.new_ones(extra)])  # [padded]
+            self.bias = None if bias is None else torch.cat([bias, bias.new_zeros(extra)])  # [padded]
+            self.padded = padded
+            self.layer_arguments = (self.packed.data_ptr(), self.colsum.data_ptr(), self.scale.data_ptr(),
+                                    None if self.bias is None else self.bias.data_ptr(), padded)
+            return
         if weight.shape[0] < MIN_COLUMNS:
             quantized = torch.cat([quantized, quantized.new_zeros(MIN_COLUMNS - weight.shape[0], weight.shape[1])])
             scale = torch.cat([scale, scale.new_ones(MIN_COLUMNS - weight.shape[0])])
         self.weight = torch.ops.onednn.qlinear_prepack(quantized, None)  # [max(out, MIN_COLUMNS), in], packed
         self.scale = scale
         self.zero_points = torch.zeros(scale.shape[0], dtype=torch.int64)
-        self.bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)  # [out]
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.bias = bias
 
     @property
     def num_bytes(self) -> int:
-        """The bytes this layer holds: its int8 weight (packed by oneDNN, padded to
-        MIN_COLUMNS), the channel scales and the bias."""
-        held = self.scale.numel() * 4 + (0 if self.bias is None else self.bias.numel() * 4)
-        return self.in_features * self.scale.numel() + held
+        """The bytes this layer holds: its int8 weight (padded: to 16 channels for the C
+        kernel, to MIN_COLUMNS for oneDNN), the channel scales and the bias."""
+        held = [self.scale, self.bias] + ([self.packed, self.colsum] if self.lib is not None else [])
+        weight = 0 if self.lib is not None else self.in_features * self.scale.numel()
+        return weight + sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch  # already loaded (a quantized model exists): a dictionary lookup
         rows = x.shape[:-1].numel()
-        flat = x.reshape(rows, self.in_features).to(torch.float32)  # [rows, in]
+        flat = x.reshape(rows, self.in_features)  # [rows, in]
+        if self.lib is not None:
+            if flat.dtype != torch.float32 or not flat.is_contiguous():
+                flat = flat.to(torch.float32).contiguous()
+            out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
+            if self.lib.rakv_int8_linear(flat.data_ptr(), rows, self.in_features, *self.layer_arguments,
+                                         out.data_ptr(), torch.get_num_threads(), self.portable):
+                raise MemoryError(f"int8: no memory to quantize {rows} rows of {self.in_features} inputs")
+            if self.padded != self.out_features:
+                out = out[:, :self.out_features]
+            out = out.view(*x.shape[:-1], self.out_features)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
+        flat = flat.to(torch.float32)
         row_scale = flat.abs().amax(dim=1, keepdim=True).clamp_min(TINY) / QMAX  # [rows, 1]
         quantized = torch.round(flat / row_scale).clamp(-QMAX, QMAX).to(torch.int8)  # [rows, in]
         if rows < MIN_ROWS:  # zero rows: rows never mix, so padding changes no row's bits

@@ -75,6 +75,32 @@ def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
 
 
 @NEEDS_INT4
+@pytest.mark.parametrize("kind", [(896, 4864, False), (1536, 256, True), (64, 258, False), (8960, 1536, False),
+                                  (20, 48, True)])
+def test_int8_runs_the_same_bits_on_the_c_kernel_and_on_onednn(kind, monkeypatch):
+    """Int8Forward runs on the C kernel where it builds and on oneDNN where not: the same
+    bits on its vector and portable paths and on oneDNN, so which runs is not part of the
+    model. Inputs include ties (x / scale at .5) and an all-zero row."""
+    from rakv import int4
+    in_features, out_features, bias = kind
+    torch.manual_seed(in_features + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    on_c = Int8Forward(linear)
+    assert (on_c.lib is not None) == (in_features % 4 == 0)
+    monkeypatch.setattr(int4, "kernel_or_none", lambda: None)
+    on_onednn = Int8Forward(linear)
+    x = torch.randn(MAX_ROWS, in_features) * torch.linspace(0.1, 10.0, MAX_ROWS)[:, None]
+    x[1] = 0.0
+    x[2, :3] = torch.tensor([127.0, 0.5, -1.5])  # scale 1: 0.5 and -1.5 are ties, to even
+    with torch.no_grad():
+        expected = on_onednn(x)
+        for portable in (0, 1):
+            on_c.portable = portable
+            for rows in (1, 2, 5, 9, 16, 17, MAX_ROWS):
+                assert torch.equal(on_c(x[:rows]), expected[:rows]), (portable, rows)
+
+
+@NEEDS_INT4
 def test_each_mode_is_another_model(int8_tiny, int4_tiny):
     fp32 = load_pair("tiny", dtype="float32")
     assert (fp32.weights, int8_tiny.weights, int4_tiny.weights) == (FP32, INT8, INT4)
