@@ -23,13 +23,13 @@ import torch
 from rakv.cost_model import PairTimings, fit_timings
 from rakv.decoding import draft_agreement, forward, greedy
 from rakv.drafters import ngram_run_lengths
-from rakv.int4 import kernel as kernel_library
+from rakv.int4 import kernel_or_none
 from rakv.kv_cache import GrowingCache
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
 from rakv.op_timing import CALIBRATION_GRID, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
-from rakv.weights import INT4
+from rakv.weights import FP32
 
 # Bump when an engine change moves what an op costs or how it is measured (v8: KV caches
 # append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step).
@@ -78,9 +78,11 @@ def calibrate(pair: ModelPair) -> PairTimings:
 def calibration_path(pair: ModelPair) -> Path:
     # the kernels are part of the machine's speed, not of the models' identity: the same
     # weights on stock and packed kernels share stored state and learned policies, not timings;
-    # an edit of the int4 kernel's source measures again (ctypes' documented ``_name``: the
-    # library's path, named by a hash of its source, compiler and flags)
-    kernel = Path(kernel_library()._name).name if pair.weights == INT4 else ""
+    # an edit of the C kernel's source (int4, and int8 where it builds) measures again
+    # (ctypes' documented ``_name``: the library's path, named by a hash of its source,
+    # compiler and flags)
+    library = kernel_or_none() if pair.weights != FP32 else None
+    kernel = Path(library._name).name if library is not None else ""
     key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}|{pair.linear_kernels}|{kernel}"
                           .encode(), digest_size=8).hexdigest()
     return cache_root() / "calibration" / f"v{CALIBRATION_VERSION}-{machine_id()}-{key}.json"

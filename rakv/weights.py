@@ -3,9 +3,12 @@
 A CPU decode step streams every weight once, so its time is its bytes over the memory
 bandwidth: float32 Qwen2.5-Coder-1.5B streams 6.2 GB a step. ``int8`` holds each Linear's
 weight as int8 with one scale per output channel (symmetric: scale = max|w| / 127) and
-runs it on oneDNN's int8 inner product, packed once (AMX or VNNI where the CPU has them).
-Each forward quantizes its input per row (symmetric, dynamic: the row's own max|x| / 127),
-so the kernel multiplies int8 by int8 into int32 sums.
+runs it on the project's C kernel (``rakv/int4_kernel.c``, which int4 builds; AVX-512 VNNI
+where the CPU has it), or on oneDNN's int8 inner product where no C compiler exists: the
+same bits. Each forward quantizes its input per row (symmetric, dynamic: the row's own
+max|x| / 127), so the kernel multiplies int8 by int8 into int32 sums. The C kernel does
+it in one call per layer where oneDNN took a dozen torch ops, and prefetches the weights:
+a Qwen2.5-Coder-1.5B int8 step 0.62x oneDNN's time, the 0.5B draft's 0.70x.
 
 Invariants:
 - **Rows never mix, bit for bit.** A row's int32 sums are exact whatever order the kernel
