@@ -36,7 +36,10 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define GROUP 32
@@ -391,6 +394,53 @@ static void block8_vnni(const int8_t *packed, const int32_t *colsum, const float
 }
 #endif
 
+/* AMX: many rows (a prefill) as tiles. The packed layout is what tdpbusd takes as its
+ * second operand: 16 consecutive 64-byte loads of a block (inputs 4j..4j+63, 16 channels)
+ * are one 16 x 64 tile; 16 rows' 64 inputs are the first. Each 16-row, 16-channel tile of
+ * sums accumulates over all of k in int32 (exact, as the VNNI path's), then the same
+ * epilogue. k a multiple of 64; full 16-row tiles only (the rest take VNNI). */
+#define AMX_ROWS 16
+#if defined(__x86_64__)
+/* 1 where AMX int8 tiles run here: the CPU has them and Linux lets this process use them. */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        usable = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25))
+                 && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    }
+    return usable;
+}
+
+struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t bytes_per_row[16]; uint8_t rows[16]; };
+
+__attribute__((target("amx-tile,amx-int8,avx512f")))
+static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
+                      const uint8_t *xu, const float *x_scale, int k, int r0, int nb0, int nb1, float *y, int n) {
+    struct tile_config config = {1};
+    for (int t = 0; t < 3; t++) { config.bytes_per_row[t] = 64; config.rows[t] = 16; }
+    _tile_loadconfig(&config);  /* tile 0: the sums; 1: 16 rows' inputs; 2: 16 channels' weights */
+    int32_t sums[AMX_ROWS][LANES];
+    for (int nb = nb0; nb < nb1; nb++) {
+        const int8_t *block = packed + (int64_t)nb * k * LANES;
+        _tile_zero(0);
+        for (int i = 0; i < k; i += 64) {
+            _tile_loadd(1, xu + (int64_t)r0 * k + i, k);
+            _tile_loadd(2, block + (int64_t)i * LANES, 64);
+            _tile_dpbusd(0, 1, 2);
+        }
+        _tile_stored(0, sums, LANES * 4);
+        for (int r = 0; r < AMX_ROWS; r++)
+            for (int lane = 0; lane < LANES; lane++) {
+                int c = nb * LANES + lane;
+                float out = (float)(sums[r][lane] - 128 * colsum[c]) * w_scale[c] * x_scale[r0 + r];
+                y[(int64_t)(r0 + r) * n + c] = bias ? out + bias[c] : out;
+            }
+    }
+    _tile_release();
+}
+#endif
+
 /* y [rows, n] = x [rows, k] @ (wq * w_scale).T (+ bias), as above; n a multiple of 16 (the
  * caller pads), k of 4. Returns 0, or -1 where the quantized inputs' buffer cannot be
  * allocated. */
@@ -408,10 +458,18 @@ int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, cons
     else
 #endif
         quantize_rows8(x, rows, k, xu, x_scale);
+    int amx_rows = 0;
+#if defined(__x86_64__)
+    if (vector && k % 64 == 0 && rows >= AMX_ROWS && amx_usable()) amx_rows = rows / AMX_ROWS * AMX_ROWS;
+#endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int band = 0; band < bands; band++) {
         int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
-        for (int r0 = 0; r0 < rows; r0 += TILE8) {
+#if defined(__x86_64__)
+        for (int r0 = 0; r0 < amx_rows; r0 += AMX_ROWS)
+            band8_amx(packed, colsum, w_scale, bias, xu, x_scale, k, r0, band * BAND, nb1, y, n);
+#endif
+        for (int r0 = amx_rows; r0 < rows; r0 += TILE8) {
             int tile = rows - r0 < TILE8 ? rows - r0 : TILE8;
             for (int nb = band * BAND; nb < nb1; nb++) {
                 const int8_t *block = packed + (int64_t)nb * k * LANES;
