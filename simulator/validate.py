@@ -55,6 +55,24 @@ class Fidelity:
     spearman: float  # mean over requests run under at least 3 policies
     num_requests: int
     first_mismatch: str | None
+    steadiness: Steadiness
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """How steady the machine was while the runs were recorded: each run's measured time
+    over its op costs (no overhead). The runs of one request are recorded within a minute
+    or so, the requests one after another; a machine whose speed drifts moves the ratio
+    between requests, and noise spreads it within one. No cost model predicts either."""
+    request_median_low: float  # the lowest and highest per-request median ratio
+    request_median_high: float
+    within_request_spread: float  # median over requests of the ratio's 75th over its 25th percentile
+
+
+def steadiness(ratios_by_request: dict[int, list[float]]) -> Steadiness:
+    medians = [float(np.median(r)) for r in ratios_by_request.values()]
+    spreads = [float(np.percentile(r, 75) / np.percentile(r, 25)) for r in ratios_by_request.values()]
+    return Steadiness(min(medians), max(medians), float(np.median(spreads)))
 
 
 def average_ranks(x) -> np.ndarray:
@@ -133,9 +151,12 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
                 correlations.append(rho)
     first = next((m[0] for m in mismatches.values() if m), None)
     split = f"on {', '.join(Path(p).name for p in fit_on)} only" if fit_on else SPLIT
+    ratios: dict[int, list[float]] = {}
+    for run in runs:
+        ratios.setdefault(run.request_id, []).append(run.e2e_s / samples[run.policy, run.request_id].cost.e2e_s)
     return Fidelity(Path(path).name, split, SETTINGS, policies,
                     float(np.mean(correlations)) if correlations else float("nan"),
-                    len({r.request_id for r in runs}), first)
+                    len({r.request_id for r in runs}), first, steadiness(ratios))
 
 
 def _samples_of(path: str | Path) -> list:
@@ -155,6 +176,11 @@ def markdown(fidelity: Fidelity) -> str:
         lines.append(f"| {name} | {p.num_runs} | {p.num_not_greedy} | {100 * p.e2e_mape:.1f}% | "
                      f"{100 * p.ttft_mape:.1f}% | "
                      f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
+    steady = fidelity.steadiness
+    lines += ["", f"machine steadiness (measured time over op costs): per-request median "
+                  f"{steady.request_median_low:.2f}-{steady.request_median_high:.2f}, within a request "
+                  f"{steady.within_request_spread:.2f}x (75th/25th percentile); a drifting or noisy machine "
+                  f"widens both, and no cost model follows it"]
     if fidelity.first_mismatch:
         lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
     return "\n".join(lines)

@@ -102,6 +102,16 @@ def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
     assert validate_main(["--trace", str(trace), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["policies"]["rakv"]) >= {"e2e_mape", "ttft_mape", "round_mismatches"} and "spearman" in report
+    steady = fidelity.steadiness  # measured over op costs: around 1 on a steady machine
+    assert 0.5 < steady.request_median_low <= steady.request_median_high < 2 and steady.within_request_spread >= 1
+
+
+def test_steadiness_separates_drift_between_requests_from_noise_within_one():
+    from simulator.validate import steadiness
+    steady = steadiness({0: [1.0, 1.0, 1.0, 1.0], 1: [1.5, 1.5, 1.5, 1.5]})  # drift: request 1 ran slow
+    assert (steady.request_median_low, steady.request_median_high, steady.within_request_spread) == (1.0, 1.5, 1.0)
+    noisy = steadiness({0: [0.8, 1.0, 1.0, 1.25], 1: [0.8, 1.0, 1.0, 1.25]})
+    assert noisy.request_median_low == noisy.request_median_high == 1.0 and noisy.within_request_spread > 1.0
 
 
 def test_crossover_and_paper_commands(trace, capsys, tmp_path):
