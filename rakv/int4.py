@@ -1,4 +1,5 @@
-"""int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once.
+"""int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once. The
+same library holds int8's kernel (``rakv.weights.Int8Forward``).
 
 A weight is 4-bit integers in groups of ``GROUP`` inputs, each group with a scale and an
 offset: w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, a and b 8-bit steps of float

@@ -1,4 +1,5 @@
-/* int4 groupwise weights times per-group int8 activations, for rakv/int4.py.
+/* int4 groupwise weights times per-group int8 activations, for rakv/int4.py (and, at the
+ * end of this file, int8 per-channel weights for rakv/weights.py, which share its library).
  *
  * y[r, n] = sum over groups g of  a[n, g] * dx[r, g] * sum_k q[n, k] * xq[r, k]
  *                               + b[n, g] * (dx[r, g] * sum_k xq[r, k])      (+ bias[n])
