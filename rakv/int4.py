@@ -11,7 +11,7 @@ multiplies 4-bit by 8-bit into int32 sums (AVX-512 VNNI where the CPU has it).
 
 Why a kernel of our own: torch 2.13's int4 op (``_weight_int4pack_mm_for_cpu``) re-reads
 the weights for every row, so verifying 8 tokens cost 3.4 steps, and torchao 0.18's CPU
-wheel ships no x86 kernels for it. This one reads each weight block once for up to 8 rows.
+wheel ships no x86 kernels for it. This one reads each weight block once for up to 12 rows.
 
 Invariants:
 - **Rows never mix, bit for bit**, on either of the kernel's paths and whichever rows and

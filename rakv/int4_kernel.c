@@ -45,7 +45,7 @@
 
 #define GROUP 32
 #define LANES 16
-#define TILE 8
+#define TILE 12  /* 2 x 12 accumulators in registers; 12 over 8 rows: a 9-token forward 0.85-0.88x */
 #define BAND 8
 #define QMAX 127.0f
 #define PREFETCH 4096  /* bytes: 16 groups ahead (2048-8192 did alike) */
@@ -212,7 +212,7 @@ static void block_vnni(const uint8_t *packed, const uint8_t *a_step, const uint8
     switch (rows) {
 #define ROWS(R) case R: block_vnni_rows(packed, a_step, b_step, a_unit, b_unit, shift, groups, xq, dx, bx, \
                                         k, R, acc, n); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
 #undef ROWS
     }
 }
