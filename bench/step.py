@@ -27,7 +27,7 @@ import sys
 import time
 
 TOKENS = (1, 2, 3, 5, 9, 17)
-LINEAR_OPS = ("rakv_int4_linear", "qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
+LINEAR_OPS = ("rakv_int4_linear", "rakv_int8_linear", "qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
 
@@ -54,22 +54,28 @@ def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, floa
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from rakv.int4 import Int4Forward
+    from rakv.weights import Int8Forward
     splits = []
-    int4_modules = [m for m in model.modules() if isinstance(vars(m).get("_rakv_quantized"), Int4Forward)]
 
-    def labelled(forward):  # the int4 kernel is a C call the profiler cannot see: name it
+    def c_kernel(forward) -> str | None:  # the C kernels are calls the profiler cannot see: name them
+        if isinstance(forward, Int4Forward):
+            return "rakv_int4_linear"
+        return "rakv_int8_linear" if isinstance(forward, Int8Forward) and forward.lib is not None else None
+    c_modules = [(m, name) for m in model.modules() if (name := c_kernel(vars(m).get("_rakv_quantized")))]
+
+    def labelled(forward, name):
         def run(x):
-            with record_function("rakv_int4_linear"):
+            with record_function(name):
                 return forward(x)
         return run
     for _ in range(repeat):
-        for module in int4_modules:
-            module.forward = labelled(module._rakv_quantized)
+        for module, name in c_modules:
+            module.forward = labelled(module._rakv_quantized, name)
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 wall_ms = forward_ms(model, cache, num_context, 1)
         finally:
-            for module in int4_modules:
+            for module, _ in c_modules:
                 module.forward = module._rakv_quantized
         split = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
         for event in prof.key_averages():
@@ -87,9 +93,9 @@ def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, floa
 
 
 def rss_report(pair_name: str, mode: str, which: str) -> dict:
-    """Load the pair in ``mode`` in this process, run one step; its memory (MiB)."""
-    import resource
-
+    """Load the pair in ``mode`` in this process, run one step; its memory (MiB). The peak
+    is the kernel's VmHWM, this process image's own: ``ru_maxrss`` keeps the high-water
+    mark across exec, so a child of a process holding 20 GB reported 20 GB."""
     import torch
     torch.set_num_threads(1)
     from rakv.models import load_pair
@@ -97,8 +103,9 @@ def rss_report(pair_name: str, mode: str, which: str) -> dict:
     model = pair.target if which == "target" else pair.draft
     cached(model, 8)
     with open("/proc/self/status") as status:
-        kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS", "RssAnon"))}
-    return {"mode": mode, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in status
+               if line.startswith(("VmHWM", "VmRSS", "RssAnon"))}
+    return {"mode": mode, "peak_rss_mib": kib["VmHWM"] / 1024,
             "rss_mib": kib["VmRSS"] / 1024, "anonymous_rss_mib": kib["RssAnon"] / 1024,
             "weights_mib": weight_bytes(model) / 2**20}
 
