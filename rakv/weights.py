@@ -9,7 +9,8 @@ same bits. Each forward quantizes its input per row (symmetric, dynamic: the row
 max|x| / 127), so the kernel multiplies int8 by int8 into int32 sums. The C kernel does
 it in one call per layer where oneDNN took a dozen torch ops, prefetches the weights, and
 runs 16-row tiles of a prefill on AMX where the CPU has it: a Qwen2.5-Coder-1.5B int8
-step 0.62x oneDNN's time, the 0.5B draft's 0.70x, a 200-row 1536->8960 layer 0.72x.
+step 0.62-0.80x oneDNN's time, the 0.5B draft's 0.44-0.70x (two lockstep runs:
+``python -m bench.int8_paths``), a 200-row 1536->8960 layer 0.72x.
 
 Invariants:
 - **Rows never mix, bit for bit.** A row's int32 sums are exact whatever order the kernel
