@@ -238,6 +238,7 @@ int rakv_int4_vector(void) {
 static int8_t *scratch_of(size_t needed) {
     static __thread int8_t *scratch = NULL;
     static __thread size_t scratch_bytes = 0;
+    if (needed == 0) needed = 1;  /* zero rows: a buffer all the same, so NULL always means no memory */
     if (needed > scratch_bytes) {
         free(scratch);
         scratch = malloc(needed);

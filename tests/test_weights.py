@@ -98,6 +98,7 @@ def test_int8_runs_the_same_bits_on_the_c_kernel_and_on_onednn(kind, monkeypatch
             on_c.portable = portable
             for rows in (1, 2, 5, 9, 16, 17, MAX_ROWS):
                 assert torch.equal(on_c(x[:rows]), expected[:rows]), (portable, rows)
+            assert on_c(x[:0]).shape == (0, out_features)  # no rows: an empty result, not a MemoryError
 
 
 @NEEDS_INT4
