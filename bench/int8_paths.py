@@ -12,11 +12,10 @@ time over oneDNN's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from unittest import mock
 
-from bench.step import TOKENS, cached, forward_ms
+from bench.step import TOKENS, cached, lockstep_ms
 
 CONTEXT = 300
 
@@ -34,13 +33,7 @@ def bench(pair_name: str, mode: str, repeat: int) -> list[str]:
         models = {path: getattr(pair, which) for path, pair in pairs.items() if getattr(pair, which) is not None}
         if not models:
             continue
-        caches = {path: cached(model, CONTEXT) for path, model in models.items()}
-        times = {(path, t): [] for path in models for t in TOKENS}
-        for _ in range(repeat):
-            for t in TOKENS:
-                for path, model in models.items():
-                    times[path, t].append(forward_ms(model, caches[path], CONTEXT, t))
-        ms = {key: statistics.median(v) for key, v in times.items()}
+        ms = lockstep_ms(models, {path: cached(model, CONTEXT) for path, model in models.items()}, CONTEXT, repeat)
         lines.append(f"{pair_name} {which} in {mode}: ms per forward over T tokens after {CONTEXT} cached")
         for t in TOKENS:
             lines.append(f"  T={t:2}  C kernel {ms['c', t]:7.1f}   oneDNN {ms['onednn', t]:7.1f}   "

@@ -49,6 +49,17 @@ def cached(model, num_context: int):
     return cache
 
 
+def lockstep_ms(models: dict, caches: dict, num_context: int, repeat: int) -> dict[tuple, float]:
+    """(name, T) -> median ms of a forward over T tokens after ``num_context`` cached, the
+    models alternating for each T (lockstep: the machine's drift falls on all alike)."""
+    times = {(name, t): [] for name in models for t in TOKENS}
+    for _ in range(repeat):
+        for t in TOKENS:
+            for name, model in models.items():
+                times[name, t].append(forward_ms(model, caches[name], num_context, t))
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
 def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, float]:
     """A one-token step's wall time split by the profiler's self times (ms, medians)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -139,12 +150,7 @@ def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat
             raise ValueError(f"--context {num_context} leaves no room for {max(TOKENS)} tokens in {pair_name}'s "
                              f"{pair.max_positions} positions")
     caches = {mode: cached(model, num_context) for mode, model in models.items()}
-    times = {(mode, t): [] for mode in modes for t in TOKENS}
-    for _ in range(repeat):
-        for t in TOKENS:
-            for mode in modes:
-                times[mode, t].append(forward_ms(models[mode], caches[mode], num_context, t))
-    ms = {key: statistics.median(v) for key, v in times.items()}
+    ms = lockstep_ms(models, caches, num_context, repeat)
     base = ms[modes[0], 1]
     lines = [f"{pair_name} {which}: ms per forward over T tokens after {num_context} cached "
              f"(x the mode's own 1-token step; x {modes[0]}'s step)"]

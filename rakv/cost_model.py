@@ -82,9 +82,9 @@ class ModelTimings:
     # Measured seconds a forward of T >= 2 tokens takes over a one-token step, per T in
     # ``verify_tokens``, never decreasing in T. Where present they replace the line above,
     # interpolated: the cost of T tokens need not be linear in T (int4 Qwen2.5-Coder-1.5B
-    # on one CPU thread: 1.06 steps for 2 tokens, 1.21 for 5, 1.32 for 9, 2.12 for 17, as
-    # the kernel reads the weights once for up to 8 rows), and the line made long rounds
-    # look dear.
+    # on one CPU thread: 1.06 steps for 2 tokens, 1.21 for 5, 1.32 for 9, 2.12 for 17,
+    # when the kernel read the weights once for up to 8 rows), and the line made long
+    # rounds look dear.
     verify_tokens: tuple[int, ...] = ()
     verify_extra_s: tuple[float, ...] = ()
 

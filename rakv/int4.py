@@ -196,19 +196,27 @@ class Int4Forward:
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        import torch  # already loaded (a quantized model exists): a dictionary lookup
-        rows = x.shape[:-1].numel()
-        flat = x.reshape(rows, self.in_features)  # [rows, in]
-        if flat.dtype != torch.float32 or not flat.is_contiguous():
-            flat = flat.to(torch.float32).contiguous()
-        out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
-        if self.lib.rakv_int4_linear(flat.data_ptr(), rows, self.in_features, *self.layer_arguments, out.data_ptr(),
-                                     torch.get_num_threads(), self.portable):
-            raise MemoryError(f"int4: no memory to quantize {rows} rows of {self.in_features} inputs")
-        if self.padded != self.out_features:
-            out = out[:, :self.out_features]
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        return kernel_forward(self, self.lib.rakv_int4_linear, x, "int4")
+
+
+def kernel_forward(layer, function, x: torch.Tensor, mode: str) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype through one of the library's entry points
+    (``rakv_int4_linear``, ``rakv_int8_linear``): it takes the input, its rows and width,
+    the layer's ``layer_arguments``, the output [rows, padded] float32, the threads and
+    ``portable``, and returns non-zero where it had no memory."""
+    import torch  # already loaded (a quantized model exists): a dictionary lookup
+    rows = x.shape[:-1].numel()
+    flat = x.reshape(rows, layer.in_features)  # [rows, in]
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.to(torch.float32).contiguous()
+    out = torch.empty(rows, layer.padded, dtype=torch.float32)  # [rows, padded out]
+    if function(flat.data_ptr(), rows, layer.in_features, *layer.layer_arguments, out.data_ptr(),
+                torch.get_num_threads(), layer.portable):
+        raise MemoryError(f"{mode}: no memory to quantize {rows} rows of {layer.in_features} inputs")
+    if layer.padded != layer.out_features:
+        out = out[:, :layer.out_features]
+    out = out.view(*x.shape[:-1], layer.out_features)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 @functools.cache
@@ -249,9 +257,10 @@ def kernel() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def kernel_or_none() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be built here (int8 then runs on oneDNN,
-    with the same bits)."""
+    with the same bits). Cached: each int8 layer asks, and a failed build is not retried."""
     try:
         return kernel()
     except KernelUnavailable:

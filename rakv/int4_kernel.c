@@ -229,10 +229,6 @@ int rakv_int4_vector(void) {
 #endif
 }
 
-/* y [rows, n] = x [rows, k] @ w.T (+ bias), w packed as above, n a multiple of 16 (the
- * caller pads), per a power of two. portable: 1 forces the portable path. Returns 0, or
- * -1 where the quantized inputs' buffer (rows * (k + 8 * k / GROUP) bytes, kept per
- * calling thread and grown as needed) cannot be allocated. */
 /* The calling thread's buffer for quantized inputs, of at least ``needed`` bytes, grown as
  * needed and kept; NULL where it cannot be allocated. */
 static int8_t *scratch_of(size_t needed) {
@@ -247,6 +243,10 @@ static int8_t *scratch_of(size_t needed) {
     return scratch;
 }
 
+/* y [rows, n] = x [rows, k] @ w.T (+ bias), w packed as above, n a multiple of 16 (the
+ * caller pads), per a power of two. portable: 1 forces the portable path. Returns 0, or
+ * -1 where the quantized inputs' buffer (rows * (k + 8 * k / GROUP) bytes, kept per
+ * calling thread and grown as needed) cannot be allocated. */
 int rakv_int4_linear(const float *x, int rows, int k, const uint8_t *packed, const uint8_t *a_step,
                      const uint8_t *b_step, const uint16_t *a_unit, const uint16_t *b_unit, int per,
                      const float *bias, int n, float *y, int num_threads, int portable) {
@@ -323,6 +323,13 @@ static void quantize_rows8(const float *x, int rows, int k, uint8_t *xu, float *
     }
 }
 
+/* One output: the integer sum less the inputs' offset, then the channel scale, the row
+ * scale and the bias, in that order (the vector path's order too). */
+static inline float finish8(int32_t sum, int32_t colsum, float w_scale, float x_scale, const float *bias) {
+    float out = (float)(sum - 128 * colsum) * w_scale * x_scale;
+    return bias ? out + *bias : out;
+}
+
 static void block8_portable(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
                             const uint8_t *xu, const float *x_scale, int k, int rows, float *y, int n) {
     for (int r = 0; r < rows; r++)
@@ -331,25 +338,29 @@ static void block8_portable(const int8_t *packed, const int32_t *colsum, const f
             for (int j = 0; j < k / 4; j++)
                 for (int i = 0; i < 4; i++)
                     dot += (int32_t)xu[(int64_t)r * k + 4 * j + i] * packed[(int64_t)j * 64 + lane * 4 + i];
-            float out = (float)(dot - 128 * colsum[lane]) * w_scale[lane] * x_scale[r];
-            y[(int64_t)r * n + lane] = bias ? out + bias[lane] : out;
+            y[(int64_t)r * n + lane] = finish8(dot, colsum[lane], w_scale[lane], x_scale[r], bias ? bias + lane : NULL);
         }
 }
 
 #if defined(__x86_64__)
+/* The lanes of 16 inputs from i on that lie before k. */
+static inline __mmask16 live16(int i, int k) {
+    return k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
+}
+
 __attribute__((target("avx512f,avx512bw")))
 static void quantize_rows8_vector(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
     for (int r = 0; r < rows; r++) {
         const float *v = x + (int64_t)r * k;
         __m512 amax = _mm512_setzero_ps();
         for (int i = 0; i < k; i += 16) {
-            __mmask16 live = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+            __mmask16 live = live16(i, k);
             amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(live, v + i)));
         }
         float scale = fmaxf(_mm512_reduce_max_ps(amax), TINY) / QMAX;
         __m512 divisor = _mm512_set1_ps(scale);
         for (int i = 0; i < k; i += 16) {
-            __mmask16 live = k - i >= 16 ? 0xffff : (__mmask16)((1u << (k - i)) - 1);
+            __mmask16 live = live16(i, k);
             __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(live, v + i), divisor),
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             rounded = _mm512_min_ps(_mm512_max_ps(rounded, _mm512_set1_ps(-QMAX)), _mm512_set1_ps(QMAX));
@@ -435,8 +446,8 @@ static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *
         for (int r = 0; r < AMX_ROWS; r++)
             for (int lane = 0; lane < LANES; lane++) {
                 int c = nb * LANES + lane;
-                float out = (float)(sums[r][lane] - 128 * colsum[c]) * w_scale[c] * x_scale[r0 + r];
-                y[(int64_t)(r0 + r) * n + c] = bias ? out + bias[c] : out;
+                y[(int64_t)(r0 + r) * n + c] = finish8(sums[r][lane], colsum[c], w_scale[c], x_scale[r0 + r],
+                                                       bias ? bias + c : NULL);
             }
     }
     _tile_release();

@@ -54,6 +54,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rakv.int4 import kernel_forward  # imports no torch either
+
 if TYPE_CHECKING:
     import torch
 
@@ -126,20 +128,10 @@ class Int8Forward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch  # already loaded (a quantized model exists): a dictionary lookup
-        rows = x.shape[:-1].numel()
-        flat = x.reshape(rows, self.in_features)  # [rows, in]
         if self.lib is not None:
-            if flat.dtype != torch.float32 or not flat.is_contiguous():
-                flat = flat.to(torch.float32).contiguous()
-            out = torch.empty(rows, self.padded, dtype=torch.float32)  # [rows, padded out]
-            if self.lib.rakv_int8_linear(flat.data_ptr(), rows, self.in_features, *self.layer_arguments,
-                                         out.data_ptr(), torch.get_num_threads(), self.portable):
-                raise MemoryError(f"int8: no memory to quantize {rows} rows of {self.in_features} inputs")
-            if self.padded != self.out_features:
-                out = out[:, :self.out_features]
-            out = out.view(*x.shape[:-1], self.out_features)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
-        flat = flat.to(torch.float32)
+            return kernel_forward(self, self.lib.rakv_int8_linear, x, INT8)
+        rows = x.shape[:-1].numel()
+        flat = x.reshape(rows, self.in_features).to(torch.float32)  # [rows, in]
         row_scale = flat.abs().amax(dim=1, keepdim=True).clamp_min(TINY) / QMAX  # [rows, 1]
         quantized = torch.round(flat / row_scale).clamp(-QMAX, QMAX).to(torch.int8)  # [rows, in]
         if rows < MIN_ROWS:  # zero rows: rows never mix, so padding changes no row's bits
