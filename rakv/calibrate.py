@@ -32,8 +32,9 @@ from rakv.settings import settings_from_json, settings_to_json
 from rakv.weights import FP32
 
 # Bump when an engine change moves what an op costs or how it is measured (v8: KV caches
-# append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step).
-CALIBRATION_VERSION = 9
+# append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step;
+# v10: layers run as plain calls, rakv.direct_forward).
+CALIBRATION_VERSION = 10
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from rakv import direct_forward
 from rakv.drafters import DRAFT_MODEL, Drafter
 
 
@@ -29,6 +30,9 @@ def forward(model, cache: DynamicCache, token_ids: list[int], num_logits: int = 
     """Feed ``token_ids`` after the cached positions; returns logits [num_logits, vocab]
     for the last ``num_logits`` fed tokens. The cache grows by len(token_ids)."""
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # [1, T]
+    plan = direct_forward.plan_of(model)
+    if plan is not None:  # HF's bits without its per-module machinery
+        return direct_forward.logits(plan, model, cache, ids, num_logits)[0, -num_logits:]
     out = model(input_ids=ids, use_cache=True, logits_to_keep=num_logits, **{_cache_kwarg(type(model)): cache})
     return out.logits[0, -num_logits:]
 

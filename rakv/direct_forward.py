@@ -1,0 +1,162 @@
+"""A Llama-family decoder's forward as plain calls: Hugging Face's arithmetic, bit for bit,
+without its per-module machinery.
+
+A decode step of the Qwen 0.5B draft in int8 spent about 20 of its 60-75 ms outside any
+op: ``nn.Module.__call__`` on some 300 modules, keyword plumbing, deprecation wrappers
+and config lookups in every layer (cProfile). Here a layer is one function over the
+tensors and Linear forwards a ``LayerPlan`` gathered once per model.
+
+Invariants:
+- The same torch ops on the same tensors, in the same order, as the Hugging Face
+  modules they stand for (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, transformers 5.24):
+  the logits are HF's bit for bit (tests/test_direct_forward.py compares them, and the
+  engine's outputs equal HF ``generate``). Skipped are only calls that return their input
+  (a ``.to`` to the tensor's own dtype).
+- Each Linear runs through its module's ``forward`` attribute at call time, so a kernel
+  swapped in later (``rakv.cpu_linear``, ``rakv.weights``, the benches' labels) is the
+  one that runs; the norms' weights are the modules' own tensors.
+- Any other architecture, or a model in training mode, gets ``None`` from ``plan_of`` and
+  runs through Hugging Face's forward unchanged.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+_LAYER_CLASSES = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
+_NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> ModelPlan | None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One decoder layer's parts, gathered so a step looks none of them up."""
+
+    norm_in: torch.Tensor  # [hidden] input_layernorm.weight
+    norm_in_eps: float
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    attention: torch.nn.Module  # the self_attn module: the attention function reads its fields
+    attention_kwargs: dict  # what HF's attention module passes besides the tensors
+    head_dim: int
+    index: int
+    norm_post: torch.Tensor  # [hidden] post_attention_layernorm.weight
+    norm_post_eps: float
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+    act: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    layers: tuple[LayerPlan, ...]
+    inner: torch.nn.Module  # model.model: embeddings, rotary embedding, final norm
+    head: torch.nn.Module
+    eager: object  # the modeling module's eager attention, HF's fallback for an unknown name
+    create_causal_mask: object
+    layer_types: tuple[str, ...]
+
+
+def plan_of(model) -> ModelPlan | None:
+    """``model``'s plan, built on first use; None where this module does not apply
+    (another architecture, or training mode: dropout)."""
+    if model.training:
+        return None
+    if model not in _PLANS:
+        _PLANS[model] = _build(model)
+    return _PLANS[model]
+
+
+def _build(model) -> ModelPlan | None:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "lm_head"):
+        return None
+    config = model.config
+    used = list(layers[:config.num_hidden_layers])
+    if not used or any(type(layer).__name__ not in _LAYER_CLASSES for layer in used) \
+            or type(inner.norm).__name__ not in _NORM_CLASSES \
+            or getattr(config, "pretraining_tp", 1) != 1:
+        return None
+    modeling = sys.modules[type(used[0]).__module__]
+    plans = []
+    for index, layer in enumerate(used):
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer.input_layernorm).__name__ not in _NORM_CLASSES \
+                or type(layer.post_attention_layernorm).__name__ not in _NORM_CLASSES:
+            return None
+        kwargs = {"dropout": 0.0, "scaling": attn.scaling}
+        if hasattr(attn, "sliding_window"):  # Qwen2 passes it, Llama does not
+            kwargs["sliding_window"] = attn.sliding_window
+        plans.append(LayerPlan(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                               attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn, kwargs, attn.head_dim,
+                               attn.layer_idx, layer.post_attention_layernorm.weight,
+                               layer.post_attention_layernorm.variance_epsilon,
+                               mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
+    layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * len(used))
+    if any(kind != "full_attention" for kind in layer_types[:len(used)]):
+        return None  # sliding-window layers take another mask: HF's forward builds it
+    return ModelPlan(tuple(plans), inner, model.lm_head, modeling.eager_attention_forward,
+                     modeling.create_causal_mask, layer_types)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm / Qwen2RMSNorm: [..., hidden] -> [..., hidden]."""
+    dtype = hidden.dtype
+    x = hidden if dtype == torch.float32 else hidden.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,
+                  attention, extra: dict) -> torch.Tensor:
+    """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]; cos/sin [1, 1, T, head_dim]."""
+    residual = hidden
+    x = rms_norm(hidden, plan.norm_in, plan.norm_in_eps)
+    shape = (*x.shape[:-1], -1, plan.head_dim)
+    query = plan.q.forward(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
+    key = plan.k.forward(x).view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
+    value = plan.v.forward(x).view(shape).transpose(1, 2)
+    query = (query * cos) + (rotate_half(query) * sin)
+    key = (key * cos) + (rotate_half(key) * sin)
+    if cache is not None:
+        key, value = cache.update(key, value, plan.index, kwargs=extra)
+    out, _ = attention(plan.attention, query, key, value, mask, **plan.attention_kwargs, **extra)
+    out = out.reshape(*x.shape[:-1], -1).contiguous()  # [1, T, heads * head_dim]
+    hidden = residual + plan.o.forward(out)
+    residual = hidden
+    x = rms_norm(hidden, plan.norm_post, plan.norm_post_eps)
+    return residual + plan.down.forward(plan.act.forward(plan.gate.forward(x)) * plan.up.forward(x))
+
+
+def logits(plan: ModelPlan, model, cache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    """ids [1, T] after the cache's positions -> logits [1, num_logits, vocab], as
+    ``model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=num_logits)``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    inner = plan.inner
+    embeds = inner.embed_tokens(ids)  # [1, T, hidden]
+    past = cache.get_seq_length() if cache is not None else 0
+    position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past).unsqueeze(0)  # [1, T]
+    mask = plan.create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=cache,
+                                   position_ids=position_ids)
+    cos, sin = inner.rotary_emb(embeds, position_ids)  # [1, T, head_dim]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim], as apply_rotary_pos_emb
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, plan.eager)
+    extra = {"position_ids": position_ids, "use_cache": cache is not None}  # what HF's layers pass on
+    hidden = embeds
+    for layer in plan.layers:
+        hidden = layer_forward(layer, hidden, cos, sin, mask, cache, attention, extra)
+    hidden = rms_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon)
+    return plan.head(hidden[:, -num_logits:, :])
