@@ -407,12 +407,17 @@ static void block8_vnni(const int8_t *packed, const int32_t *colsum, const float
 }
 #endif
 
-/* AMX: many rows (a prefill) as tiles. The packed layout is what tdpbusd takes as its
- * second operand: 16 consecutive 64-byte loads of a block (inputs 4j..4j+63, 16 channels)
- * are one 16 x 64 tile; 16 rows' 64 inputs are the first. Each 16-row, 16-channel tile of
- * sums accumulates over all of k in int32 (exact, as the VNNI path's), then the same
- * epilogue. k a multiple of 64; full 16-row tiles only (the rest take VNNI). */
+/* AMX: rows as tiles. The packed layout is what tdpbusd takes as its second operand: 16
+ * consecutive 64-byte loads of a block (inputs 4j..4j+63, 16 channels) are one 16 x 64
+ * tile; 16 rows' 64 inputs are the first (a last tile's missing rows are zero padding,
+ * their sums dropped). Each tile of sums (16 rows, 16 channels) accumulates over all of k
+ * in int32 (exact, as the VNNI path's), then finish8's epilogue, vectorized. k a multiple
+ * of 64. Each block runs all tiles of rows while it is in cache. From AMX_MIN_ROWS rows
+ * on, a verification's few rows take AMX too: VNNI spends one instruction per row per 64
+ * weight bytes and falls behind the weights' stream (a 9-row forward of the Qwen 1.5B
+ * target's Linear layers took 1.33-1.41 one-row steps; on AMX 1.06-1.10). */
 #define AMX_ROWS 16
+#define AMX_MIN_ROWS 2
 #if defined(__x86_64__)
 /* 1 where AMX int8 tiles run here: the CPU has them and Linux lets this process use them. */
 static int amx_usable(void) {
@@ -429,26 +434,32 @@ struct tile_config { uint8_t palette, start_row, reserved[14]; uint16_t bytes_pe
 
 __attribute__((target("amx-tile,amx-int8,avx512f")))
 static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *w_scale, const float *bias,
-                      const uint8_t *xu, const float *x_scale, int k, int r0, int nb0, int nb1, float *y, int n) {
+                      const uint8_t *xu, const float *x_scale, int k, int rows, int nb0, int nb1, float *y, int n) {
     struct tile_config config = {1};
-    for (int t = 0; t < 3; t++) { config.bytes_per_row[t] = 64; config.rows[t] = 16; }
+    for (int t = 0; t < 3; t++) { config.bytes_per_row[t] = 64; config.rows[t] = AMX_ROWS; }
     _tile_loadconfig(&config);  /* tile 0: the sums; 1: 16 rows' inputs; 2: 16 channels' weights */
     int32_t sums[AMX_ROWS][LANES];
     for (int nb = nb0; nb < nb1; nb++) {
         const int8_t *block = packed + (int64_t)nb * k * LANES;
-        _tile_zero(0);
-        for (int i = 0; i < k; i += 64) {
-            _tile_loadd(1, xu + (int64_t)r0 * k + i, k);
-            _tile_loadd(2, block + (int64_t)i * LANES, 64);
-            _tile_dpbusd(0, 1, 2);
-        }
-        _tile_stored(0, sums, LANES * 4);
-        for (int r = 0; r < AMX_ROWS; r++)
-            for (int lane = 0; lane < LANES; lane++) {
-                int c = nb * LANES + lane;
-                y[(int64_t)(r0 + r) * n + c] = finish8(sums[r][lane], colsum[c], w_scale[c], x_scale[r0 + r],
-                                                       bias ? bias + c : NULL);
+        int c = nb * LANES;
+        __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512((const void *)(colsum + c)), 7);  /* 128 colsum */
+        __m512 scale = _mm512_loadu_ps(w_scale + c);
+        for (int r0 = 0; r0 < rows; r0 += AMX_ROWS) {  /* the block stays in cache for the next tile of rows */
+            _tile_zero(0);
+            for (int i = 0; i < k; i += 64) {
+                _tile_loadd(1, xu + (int64_t)r0 * k + i, k);  /* a last tile's rows past `rows`: padding */
+                _tile_loadd(2, block + (int64_t)i * LANES, 64);
+                _tile_dpbusd(0, 1, 2);
             }
+            _tile_stored(0, sums, LANES * 4);
+            int m = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
+            for (int r = 0; r < m; r++) {  /* finish8's operations in its order, 16 channels at a time */
+                __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
+                    _mm512_loadu_si512((const void *)sums[r]), offset)), scale), _mm512_set1_ps(x_scale[r0 + r]));
+                if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + c));
+                _mm512_storeu_ps(y + (int64_t)(r0 + r) * n + c, out);
+            }
+        }
     }
     _tile_release();
 }
@@ -459,10 +470,12 @@ static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *
  * allocated. */
 int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, const int32_t *colsum,
                      const float *w_scale, const float *bias, int n, float *y, int num_threads, int portable) {
-    int8_t *scratch = scratch_of((size_t)rows * k + 4 * (size_t)rows);
+    int padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;  /* AMX loads whole tiles of rows */
+    int8_t *scratch = scratch_of((size_t)padded * k + 4 * (size_t)rows);
     if (!scratch) return -1;
     uint8_t *xu = (uint8_t *)scratch;
-    float *x_scale = (float *)(scratch + (int64_t)rows * k);
+    float *x_scale = (float *)(scratch + (int64_t)padded * k);
+    memset(xu + (int64_t)rows * k, 0, (size_t)(padded - rows) * k);  /* read by AMX, results dropped */
     int blocks = n / LANES, bands = (blocks + BAND - 1) / BAND;
     int vector = !portable && rakv_int4_vector();
 #if defined(__x86_64__)
@@ -471,18 +484,20 @@ int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, cons
     else
 #endif
         quantize_rows8(x, rows, k, xu, x_scale);
-    int amx_rows = 0;
+    int amx = 0;
 #if defined(__x86_64__)
-    if (vector && k % 64 == 0 && rows >= AMX_ROWS && amx_usable()) amx_rows = rows / AMX_ROWS * AMX_ROWS;
+    amx = vector && k % 64 == 0 && rows >= AMX_MIN_ROWS && amx_usable();
 #endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int band = 0; band < bands; band++) {
         int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
 #if defined(__x86_64__)
-        for (int r0 = 0; r0 < amx_rows; r0 += AMX_ROWS)
-            band8_amx(packed, colsum, w_scale, bias, xu, x_scale, k, r0, band * BAND, nb1, y, n);
+        if (amx) {
+            band8_amx(packed, colsum, w_scale, bias, xu, x_scale, k, rows, band * BAND, nb1, y, n);
+            continue;
+        }
 #endif
-        for (int r0 = amx_rows; r0 < rows; r0 += TILE8) {
+        for (int r0 = 0; r0 < rows; r0 += TILE8) {
             int tile = rows - r0 < TILE8 ? rows - r0 : TILE8;
             for (int nb = band * BAND; nb < nb1; nb++) {
                 const int8_t *block = packed + (int64_t)nb * k * LANES;
