@@ -4,6 +4,7 @@
     python -m bench.llamacpp                          # qwen-coder: 6 HumanEval + 4 prose prompts, 64 tokens
     python -m bench.llamacpp --weights int4 --code 2 --prose 1
     python -m bench.llamacpp --pair smollm2 --fixed ngram-k4   # no draft GGUF: no llama-speculative
+    python -m bench.llamacpp --weights int8,int8/int4-pure --llama lookup   # the draft in its own mode
 
 ``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
 takes the llama.cpp it vendors and builds ``llama-completion``, ``llama-speculative`` and
@@ -42,6 +43,7 @@ from pathlib import Path
 VERSION = "0.3.36"
 GGUFS = {"qwen-coder": ("qwen-coder-1.5b", "qwen-coder-0.5b"), "smollm2": ("smollm2", None)}  # target, draft
 BINARIES = ("llama-completion", "llama-speculative", "llama-lookup")
+LLAMA_TOOLS = {"lookup": "llama-lookup", "speculative": "llama-speculative"}  # --llama's names
 DRAFT_MAX = (2, 4, 8, 16)  # llama-speculative's --spec-draft-n-max values tried besides its default (3)
 CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
             "-DGGML_OPENMP=OFF", "-DBUILD_SHARED_LIBS=OFF",
@@ -208,8 +210,10 @@ def bench(args) -> int:
              "llama.cpp speculative (default)": ("llama-speculative", draft, ())}
     llama |= {f"llama.cpp speculative draft max {n}": ("llama-speculative", draft, ("--spec-draft-n-max", str(n)))
               for n in DRAFT_MAX}
+    tools = {"llama-completion"} | {LLAMA_TOOLS[name] for name in args.llama.split(",") if name}
     if draft is None:  # a layer-prefix draft has no file of its own
-        llama = {name: run for name, run in llama.items() if run[0] != "llama-speculative"}
+        tools.discard("llama-speculative")
+    llama = {name: run for name, run in llama.items() if run[0] in tools}
     tallies = {workload: Tally() for workload in prompts}
     exact = {name: 0 for name in llama if name != "llama.cpp greedy"}
     start = time.perf_counter()
@@ -232,7 +236,7 @@ def bench(args) -> int:
     print(f"{args.pair}, {args.max_new_tokens} new tokens, one thread, lockstep; tok/s with the prompt included")
     for workload, tally in tallies.items():
         plain = tally.tokens_per_s("llama.cpp greedy")
-        best_spec = max((n for n in llama if n != "llama.cpp greedy"), key=tally.tokens_per_s)
+        best_spec = max([n for n in llama if n != "llama.cpp greedy"] or ["llama.cpp greedy"], key=tally.tokens_per_s)
         print(f"{workload} ({len(prompts[workload])} prompts): llama.cpp greedy {plain:.2f} tok/s; its best "
               f"speculative setting: {best_spec} {tally.tokens_per_s(best_spec):.2f}")
         for name in tally.runs:
@@ -258,7 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default=f"{FP32},{INT8},{INT4}",
                    help="the engine's modes, comma-separated (default: fp32,int8,int4)")
     p.add_argument("--fixed", default="spec-k4", help="fixed policies besides ar and rakv (default: spec-k4)")
+    p.add_argument("--llama", default="lookup,speculative",
+                   help="llama.cpp's speculative tools to run besides its plain greedy (always run: the "
+                        "reference), comma-separated from lookup, speculative (its default draft maximum and "
+                        f"{', '.join(map(str, DRAFT_MAX))}); empty for none (default: lookup,speculative)")
     args = p.parse_args(argv)
+    unknown = set(filter(None, args.llama.split(","))) - LLAMA_TOOLS.keys()
+    if unknown:
+        p.error(f"--llama takes {', '.join(LLAMA_TOOLS)}; got {', '.join(sorted(unknown))}")
     try:
         if args.build:
             build(args.jobs)

@@ -22,12 +22,24 @@ def run_cli(run: Callable[[object], int], args, errors: tuple[type[BaseException
         return 130
 
 
+def weights_spec(text: str) -> str:
+    """argparse's type for ``--weights``: MODE or TARGET/DRAFT (``rakv.weights.split_modes``)."""
+    import argparse
+    from rakv.weights import split_modes
+    try:
+        split_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_precision_arguments(parser) -> None:
     """``--weights`` (``rakv.weights``) and ``--linear-kernels`` (``rakv.cpu_linear``), for
     every command line that loads a pair. Neither module loads torch on import."""
     from rakv.cpu_linear import LINEAR_KERNELS, LINEAR_KERNELS_HELP
-    from rakv.weights import DEFAULT_WEIGHTS, WEIGHTS, WEIGHTS_HELP
-    parser.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS, help=WEIGHTS_HELP)
+    from rakv.weights import DEFAULT_WEIGHTS, WEIGHTS_HELP
+    parser.add_argument("--weights", type=weights_spec, default=DEFAULT_WEIGHTS, metavar="MODE[/DRAFT_MODE]",
+                        help=WEIGHTS_HELP)
     parser.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
 
 

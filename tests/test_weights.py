@@ -14,7 +14,7 @@ from rakv.decoding import forward
 from rakv.engine import Engine
 from rakv.models import PairError, load_pair
 from rakv.int4 import Int4Forward, quantize_groups
-from rakv.weights import FP32, INT4, INT8, Int8Forward
+from rakv.weights import FP32, INT4, INT4_PURE, INT8, Int8Forward
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -126,8 +126,41 @@ def test_modes_that_cannot_run_are_one_line_errors():
         load_pair("tiny", dtype="float32", weights_mode=INT8, linear_kernels="stock")
     with pytest.raises(PairError, match="--weights int4 needs float32 or float64 models"):
         load_pair("tiny", dtype="float16", weights_mode=INT4)
-    with pytest.raises(PairError, match="--weights must be one of auto, fp32, int8, int4"):
+    with pytest.raises(PairError, match="--weights must be MODE or TARGET/DRAFT, each one of auto, fp32, int8, int4"):
         load_pair("tiny", weights_mode="int3")
+    with pytest.raises(PairError, match="--weights must be MODE or TARGET/DRAFT"):
+        load_pair("tiny", weights_mode="int8/int3")
+
+
+@NEEDS_INT4
+def test_a_draft_runs_in_a_mode_of_its_own(int8_tiny, int4_tiny):
+    """TARGET/DRAFT: each model is the one its own mode makes, and the output is the target's."""
+    pair = load_pair("tiny", dtype="float32", weights_mode="int8/int4")
+    assert pair.weights == "int8/int4"
+    assert pair.target_fingerprint == int8_tiny.target_fingerprint
+    assert pair.draft_fingerprint == int4_tiny.draft_fingerprint
+    assert load_pair("tiny", dtype="float32", weights_mode="int8/int8").weights == INT8
+    for name in ("spec-k4", "rakv"):
+        engine = Engine(pair, policy_for(name, pair))
+        for text in TEXTS:
+            assert list(engine.generate(pair.encode(text), 24).output_ids) == hf_greedy(int8_tiny, pair.encode(text), 24)
+
+
+@NEEDS_INT4
+def test_int4_pure_runs_every_layer_in_4_bit_groups(int4_tiny):
+    """On a float checkpoint int4 and int4-pure are one model; on SmolLM2's GGUF, whose tied
+    head is stored as Q8_0 (int8 under int4), int4-pure is another. A layer-prefix draft
+    runs the target's layers, so it cannot take a mode of its own."""
+    assert load_pair("tiny", dtype="float32", weights_mode=INT4_PURE).target_fingerprint == \
+        int4_tiny.target_fingerprint
+    pure = load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=INT4_PURE)
+    linears = [m for m in pure.target.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(m._rakv_quantized, Int4Forward) for m in linears)
+    text = "def add(a, b):\n"
+    engine = Engine(pure, policy_for("rakv", pure))
+    assert list(engine.generate(pure.encode(text), 12).output_ids) == hf_greedy(pure, pure.encode(text), 12)
+    with pytest.raises(PairError, match="this draft runs the target's own layers"):
+        load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="int8/int4")
 
 
 @pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_INT4)])
