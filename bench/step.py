@@ -10,8 +10,9 @@ One torch thread. Each mode's pair is loaded once; for each T the modes alternat
 context, rolled back after each. Prints, per mode:
 - ms per forward over T tokens, as a multiple of that mode's one-token step (what
   verification costs) and of float32's (what the mode gains);
-- the one-token step split by torch.profiler: Linear kernels, attention, other torch ops,
-  and the rest (Python and dispatch: wall time no op accounts for);
+- a one-token step and a 9-token forward split by torch.profiler: Linear kernels,
+  attention, other torch ops, and the rest (Python and dispatch: wall time no op
+  accounts for);
 - memory, the pair's both models loaded, each mode in a fresh process (``--rss``): the
   model's weights as held (each quantized layer's bytes, a tied weight once), the peak
   RSS, and after loading its anonymous part (the tensors the process holds; the rest are
@@ -27,6 +28,7 @@ import sys
 import time
 
 TOKENS = (1, 2, 3, 5, 9, 17)
+SPLIT_TOKENS = (1, 9)  # a step, and a verification of 8 drafted tokens
 LINEAR_OPS = ("rakv_int4_linear", "rakv_int8_linear", "qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
 
@@ -60,8 +62,8 @@ def lockstep_ms(models: dict, caches: dict, num_context: int, repeat: int) -> di
     return {key: statistics.median(v) for key, v in times.items()}
 
 
-def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, float]:
-    """A one-token step's wall time split by the profiler's self times (ms, medians)."""
+def step_split_ms(model, cache, num_context: int, repeat: int, num_tokens: int = 1) -> dict[str, float]:
+    """A forward over ``num_tokens`` split by the profiler's self times (ms, medians)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from rakv.int4 import Int4Forward
@@ -84,7 +86,7 @@ def step_split_ms(model, cache, num_context: int, repeat: int) -> dict[str, floa
             module.forward = labelled(module._rakv_quantized, name)
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                wall_ms = forward_ms(model, cache, num_context, 1)
+                wall_ms = forward_ms(model, cache, num_context, num_tokens)
         finally:
             for module, _ in c_modules:
                 module.forward = module._rakv_quantized
@@ -157,10 +159,11 @@ def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat
     for t in TOKENS:
         lines.append(f"  T={t:2}  " + "   ".join(f"{mode} {ms[mode, t]:7.1f} ({ms[mode, t] / ms[mode, 1]:4.2f}x; "
                                                   f"{ms[mode, t] / base:4.2f}x)" for mode in modes))
-    lines.append("one-token step split (ms, torch.profiler self times; medians)")
-    for mode in modes:
-        split = step_split_ms(models[mode], caches[mode], num_context, repeat)
-        lines.append(f"  {mode}: " + ", ".join(f"{key} {value:.1f}" for key, value in split.items()))
+    for t in SPLIT_TOKENS:
+        lines.append(f"a forward over {t} token{'s' * (t > 1)}, split (ms, torch.profiler self times; medians)")
+        for mode in modes:
+            split = step_split_ms(models[mode], caches[mode], num_context, repeat, t)
+            lines.append(f"  {mode}: " + ", ".join(f"{key} {value:.1f}" for key, value in split.items()))
     return lines
 
 

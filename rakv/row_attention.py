@@ -36,6 +36,16 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
     if num_rows == 1 or query.shape[0] != 1 or not _causal(attention_mask, num_rows, kv_length):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
+    if _one_query_call_is_plain(query, key, value, kwargs):
+        # The one torch call HF's function makes for one query and no mask on a CPU, made
+        # directly: its checks and reshapes cost more than the attention of a short row.
+        scale, gqa = kwargs.get("scaling"), getattr(module, "num_key_value_groups", 1) > 1
+        rows = [torch.nn.functional.scaled_dot_product_attention(
+                    query[:, :, i:i + 1], key[:, :, :seen], value[:, :, :seen], attn_mask=None,
+                    dropout_p=kwargs.get("dropout", 0.0), scale=scale, is_causal=False,
+                    **({"enable_gqa": True} if gqa else {}))  # [1, heads, 1, dim]
+                for i, seen in enumerate(range(kv_length - num_rows + 1, kv_length + 1))]
+        return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
     rows = []
     for i in range(num_rows):
         seen = kv_length - num_rows + 1 + i  # causal, no padding: this row's keys
@@ -43,6 +53,14 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
                                         is_causal=False, **kwargs)
         rows.append(out)  # [1, 1, heads, dim]
     return torch.cat(rows, dim=1), None
+
+
+def _one_query_call_is_plain(query, key, value, kwargs) -> bool:
+    """Whether HF's SDPA function, given one query row and no mask, would make exactly
+    the call ``row_exact_attention`` makes: on a CPU (where it takes SDPA's own grouped
+    heads when the head sizes allow) with none of its optional inputs."""
+    return (query.device.type == "cpu" and key.shape[-1] == value.shape[-1] <= 256
+            and not {"softcap", "position_bias", "output_attentions"} & kwargs.keys())
 
 
 def _causal(attention_mask, num_rows: int, kv_length: int) -> bool:
