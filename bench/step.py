@@ -168,14 +168,14 @@ def bench(pair_name: str, modes: list[str], which: str, num_context: int, repeat
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rakv.weights import FP32, INT4, INT8, WEIGHTS
+    from rakv.weights import FP32, INT4, INT8, WEIGHTS, split_modes
     p = argparse.ArgumentParser(prog="python -m bench.step", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--pair", default="qwen-coder")
     p.add_argument("--model", choices=("target", "draft"), default="target")
     p.add_argument("--weights", default=f"{FP32},{INT8},{INT4}", help="modes, comma-separated, the first the "
-                   f"baseline (from {', '.join(WEIGHTS)}; default: fp32,int8,int4)")
+                   f"baseline, each MODE or TARGET/DRAFT (from {', '.join(WEIGHTS)}; default: fp32,int8,int4)")
     p.add_argument("--context", type=int, default=300, help="cached tokens before each forward (default: 300)")
     p.add_argument("--repeat", type=int, default=5, help="forwards per (mode, T) (default: 5)")
     p.add_argument("--rss", default=None, help=argparse.SUPPRESS)  # internal: one mode's memory, as JSON
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.rss:
             print(json.dumps(rss_report(args.pair, args.rss, args.model)))
             return 0
-        if bad := [m for m in modes if m not in WEIGHTS]:
-            raise ValueError(f"--weights: unknown mode {bad[0]!r}; choose from {', '.join(WEIGHTS)}")
+        for mode in modes:
+            split_modes(mode)  # a one-line error before any model loads
         print("\n".join(bench(args.pair, modes, args.model, args.context, args.repeat)), flush=True)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

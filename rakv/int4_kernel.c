@@ -414,8 +414,8 @@ static void block8_vnni(const int8_t *packed, const int32_t *colsum, const float
  * in int32 (exact, as the VNNI path's), then finish8's epilogue, vectorized. k a multiple
  * of 64. Each block runs all tiles of rows while it is in cache. From AMX_MIN_ROWS rows
  * on, a verification's few rows take AMX too: VNNI spends one instruction per row per 64
- * weight bytes and falls behind the weights' stream (a 9-row forward of the Qwen 1.5B
- * target's Linear layers took 1.33-1.41 one-row steps; on AMX 1.06-1.10). */
+ * weight bytes and falls behind the weights' stream (a 9-token forward of the Qwen 1.5B
+ * target took 1.33-1.41 one-token steps; with AMX 1.25, its Linear calls 1.09-1.13). */
 #define AMX_ROWS 16
 #define AMX_MIN_ROWS 2
 #if defined(__x86_64__)
