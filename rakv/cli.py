@@ -29,7 +29,7 @@ def weights_spec(text: str) -> str:
     try:
         split_modes(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--weights ")) from None  # argparse names it
     return text
 
 

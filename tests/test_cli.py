@@ -71,6 +71,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert "Traceback" not in err
 
 
+def test_weights_names_a_bad_mode_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--weights", "int8/int3", "hi"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith("argument --weights: must be MODE or TARGET/DRAFT, each one of auto, fp32, int8, int4, "
+                         "int4-pure; got 'int8/int3'")
+
+
 @pytest.mark.parametrize("lines, message", [
     ('{"prompt": "ok"}\n{"text": "no prompt field"}\n',
      ":2: give exactly one of 'prompt' (text) and 'prompt_ids' (token ids)"),
