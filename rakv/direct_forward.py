@@ -15,8 +15,9 @@ Invariants:
 - Each Linear runs through its module's ``forward`` attribute at call time, so a kernel
   swapped in later (``rakv.cpu_linear``, ``rakv.weights``, the benches' labels) is the
   one that runs; the norms' weights are the modules' own tensors.
-- Any other architecture, or a model in training mode, gets ``None`` from ``plan_of`` and
-  runs through Hugging Face's forward unchanged.
+- Any other architecture, a model in training mode, or one whose forward was wrapped (an
+  instance ``forward``, forward hooks) gets ``None`` from ``plan_of`` and runs through
+  Hugging Face's forward unchanged.
 """
 from __future__ import annotations
 
@@ -65,8 +66,9 @@ class ModelPlan:
 
 def plan_of(model) -> ModelPlan | None:
     """``model``'s plan, built on first use; None where this module does not apply
-    (another architecture, or training mode: dropout)."""
-    if model.training:
+    (another architecture, training mode: dropout, or a forward someone wrapped: an
+    instance ``forward`` or hooks on the model run as they would under HF's call)."""
+    if model.training or "forward" in vars(model) or model._forward_hooks or model._forward_pre_hooks:
         return None
     if model not in _PLANS:
         _PLANS[model] = _build(model)

@@ -75,6 +75,23 @@ def test_other_architectures_and_training_run_hugging_faces_forward(tiny_pair):
         target.eval()
 
 
+def test_a_wrapped_forward_runs_as_under_hugging_faces_call(tiny_pair):
+    """A forward set on the instance or a hook would be skipped by plain calls: such a
+    model runs HF's forward, so the wrapper sees every call."""
+    model = tiny_pair.target
+    handle = model.register_forward_hook(lambda *args: None)
+    try:
+        assert direct_forward.plan_of(model) is None
+    finally:
+        handle.remove()
+    assert direct_forward.plan_of(model) is not None
+    model.forward = model.forward
+    try:
+        assert direct_forward.plan_of(model) is None
+    finally:
+        del model.forward  # back to the class's (monkeypatch would leave the bound method on the instance)
+
+
 @pytest.mark.parametrize("size", [0, 1])
 def test_logits_to_keep_matches_hf_at_the_edges(tiny_pair, size):
     """HF keeps every position for logits_to_keep=0; so does ``logits``."""
