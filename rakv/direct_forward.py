@@ -16,8 +16,9 @@ Invariants:
   swapped in later (``rakv.cpu_linear``, ``rakv.weights``, the benches' labels) is the
   one that runs; the norms' weights are the modules' own tensors.
 - Any other architecture, a model in training mode, or one whose forward was wrapped (an
-  instance ``forward``, forward hooks) gets ``None`` from ``plan_of`` and runs through
-  Hugging Face's forward unchanged.
+  instance ``forward``, forward hooks on it, or hooks on an inner module when the plan is
+  built) gets ``None`` from ``plan_of`` and runs through Hugging Face's forward
+  unchanged. A hook put on an inner module after the plan exists is not run.
 """
 from __future__ import annotations
 
@@ -61,7 +62,6 @@ class ModelPlan:
     head: torch.nn.Module
     eager: object  # the modeling module's eager attention, HF's fallback for an unknown name
     create_causal_mask: object
-    layer_types: tuple[str, ...]
 
 
 def plan_of(model) -> ModelPlan | None:
@@ -101,11 +101,13 @@ def _build(model) -> ModelPlan | None:
                                attn.layer_idx, layer.post_attention_layernorm.weight,
                                layer.post_attention_layernorm.variance_epsilon,
                                mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
-    layer_types = tuple(getattr(config, "layer_types", None) or ["full_attention"] * len(used))
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(used)
     if any(kind != "full_attention" for kind in layer_types[:len(used)]):
         return None  # sliding-window layers take another mask: HF's forward builds it
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return None  # plain calls would skip an inner module's hooks
     return ModelPlan(tuple(plans), inner, model.lm_head, modeling.eager_attention_forward,
-                     modeling.create_causal_mask, layer_types)
+                     modeling.create_causal_mask)
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -118,6 +120,7 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half: [..., d] -> [..., d], the halves swapped and the second negated."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

@@ -46,9 +46,9 @@ int4 fingerprint.
 (5-8-bit, float) quantized to groups, as llama.cpp's ``--pure`` quantizes every tensor to
 one type. Fewer bytes, and another model. It is meant for a draft: a draft only
 proposes, so its precision moves the acceptance and the speed, never the output. The
-Qwen2.5-Coder 0.5B draft's file holds 132 Q5_0 tensors; as int4-pure its decode step took
-0.64x int8's, and it agreed with the int8 target on 91.7 % of six HumanEval outputs' tokens
-where int8 agreed on 93.2 % (one run, core 1).
+Qwen2.5-Coder 0.5B draft's file holds 132 Q5_0 tensors; as int4-pure its decode step
+took 0.64-0.72x int8's (two runs), and it agreed with the int8 target on 91.7 % of six
+HumanEval outputs' tokens where int8 agreed on 93.2 % (one run, core 1).
 
 A pair's mode is one mode for both models, or ``TARGET/DRAFT``: ``int8/int4-pure`` runs
 the target in int8 and its draft in int4-pure.
@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 AUTO, FP32, INT8, INT4, INT4_PURE = "auto", "fp32", "int8", "int4", "int4-pure"
 WEIGHTS = (AUTO, FP32, INT8, INT4, INT4_PURE)  # a model's choices; a pair's: MODE or TARGET/DRAFT
+FOUR_BIT = (INT4, INT4_PURE)  # the modes of 4-bit groups, on the int4 kernel
 # A change in how a mode quantizes is a new model: bump its tag and every fingerprint moves.
 FORMATS = {INT8: "int8: per-channel symmetric weights, per-row dynamic symmetric activations, v1",
            INT4: "int4: groups of 32, w = a q + b, f16 units, per-group symmetric int8 activations, v2"}
@@ -191,7 +192,7 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Embedding) and isinstance(stored.get(name), StoredRows) \
-                    and mode in (INT4, INT4_PURE) and "_rakv_quantized" not in vars(module):
+                    and mode in FOUR_BIT and "_rakv_quantized" not in vars(module):
                 # the same bits in the file's bytes: not another model, so not in the plan
                 module.forward = module._rakv_quantized = stored[name]
                 module.register_parameter("weight", None)
@@ -199,7 +200,7 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
                 continue
             if "_rakv_quantized" not in vars(module):
                 source = stored.get(name)
-                four_bit = mode in (INT4, INT4_PURE)
+                four_bit = mode in FOUR_BIT
                 if four_bit and isinstance(source, int4.GroupedWeight):
                     forward = int4.Int4Forward(module, source)
                 elif mode == INT4 and source not in PLAIN and source is not None:
@@ -231,7 +232,7 @@ def choose_weights(choice: str, stored_kinds, models) -> str:
         mode = INT4 if four_bit else INT8 if quantized else FP32
     if mode != FP32 and not all(quantizable(m) for m in models if m is not None):
         raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU with oneDNN")
-    if mode in (INT4, INT4_PURE):
+    if mode in FOUR_BIT:
         try:
             int4.kernel()
         except int4.KernelUnavailable as exc:
@@ -247,7 +248,7 @@ def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = ()) -> st
     each Linear runs in int4 (``quantize_linears``), which makes it another model."""
     if fingerprint is None or mode == FP32:
         return fingerprint
-    detail = "|" + ";".join(plan) if mode in (INT4, INT4_PURE) else ""
+    detail = "|" + ";".join(plan) if mode in FOUR_BIT else ""
     return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}{detail}".encode(), digest_size=16).hexdigest()
 
 
@@ -275,7 +276,7 @@ def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] 
     target_choice, draft_choice = split_modes(choice)
     models = (pair.target, pair.draft)
     stored = [{}, {}]
-    if {target_choice, draft_choice} & {AUTO, INT4, INT4_PURE}:
+    if {target_choice, draft_choice} & {AUTO, *FOUR_BIT}:
         from rakv.gguf_groups import stored_linears
         stored = [stored_linears(path, model) if path is not None and model is not None else {}
                   for path, model in zip(gguf_paths, models)]
