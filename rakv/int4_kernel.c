@@ -477,24 +477,25 @@ static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *
  * allocated. */
 int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, const int32_t *colsum,
                      const float *w_scale, const float *bias, int n, float *y, int num_threads, int portable) {
-    int padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;  /* AMX loads whole tiles of rows */
+    int vector = !portable && rakv_int4_vector();
+    int amx = 0;
+#if defined(__x86_64__)
+    amx = vector && k % 64 == 0 && rows >= AMX_MIN_ROWS && amx_usable();
+#endif
+    /* AMX loads whole tiles of rows: the last one's missing rows are zeros, their sums dropped */
+    int padded = amx ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
     int8_t *scratch = scratch_of((size_t)padded * k + 4 * (size_t)rows);
     if (!scratch) return -1;
     uint8_t *xu = (uint8_t *)scratch;
     float *x_scale = (float *)(scratch + (int64_t)padded * k);
-    memset(xu + (int64_t)rows * k, 0, (size_t)(padded - rows) * k);  /* read by AMX, results dropped */
+    memset(xu + (int64_t)rows * k, 0, (size_t)(padded - rows) * k);
     int blocks = n / LANES, bands = (blocks + BAND - 1) / BAND;
-    int vector = !portable && rakv_int4_vector();
 #if defined(__x86_64__)
     if (vector)
         quantize_rows8_vector(x, rows, k, xu, x_scale);
     else
 #endif
         quantize_rows8(x, rows, k, xu, x_scale);
-    int amx = 0;
-#if defined(__x86_64__)
-    amx = vector && k % 64 == 0 && rows >= AMX_MIN_ROWS && amx_usable();
-#endif
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int band = 0; band < bands; band++) {
         int nb1 = (band + 1) * BAND < blocks ? (band + 1) * BAND : blocks;
