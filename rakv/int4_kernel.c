@@ -348,6 +348,16 @@ static inline __mmask16 live16(int i, int k) {
     return k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);
 }
 
+/* finish8 on 16 channels at once, in its order: y[0..15] for one row's int32 sums. */
+__attribute__((target("avx512f"), always_inline))
+static inline void finish8_16(__m512i sums, __m512i offset, __m512 w_scale, float x_scale, const float *bias,
+                              float *y) {
+    __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums, offset)), w_scale),
+                               _mm512_set1_ps(x_scale));
+    if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
+    _mm512_storeu_ps(y, out);
+}
+
 __attribute__((target("avx512f,avx512bw")))
 static void quantize_rows8_vector(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
     for (int r = 0; r < rows; r++) {
@@ -387,12 +397,7 @@ VNNI void block8_vnni_rows(const int8_t *packed, const int32_t *colsum, const fl
     }
     __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512((const void *)colsum), 7);  /* 128 colsum */
     __m512 scale = _mm512_loadu_ps(w_scale);
-    for (int r = 0; r < rows; r++) {
-        __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), scale),
-                                   _mm512_set1_ps(x_scale[r]));
-        if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias));
-        _mm512_storeu_ps(y + (int64_t)r * n, out);
-    }
+    for (int r = 0; r < rows; r++) finish8_16(dot[r], offset, scale, x_scale[r], bias, y + (int64_t)r * n);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
@@ -460,12 +465,9 @@ static void band8_amx(const int8_t *packed, const int32_t *colsum, const float *
             }
             _tile_stored(0, sums, LANES * 4);
             int m = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS;
-            for (int r = 0; r < m; r++) {  /* finish8's operations in its order, 16 channels at a time */
-                __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(
-                    _mm512_loadu_si512((const void *)sums[r]), offset)), scale), _mm512_set1_ps(x_scale[r0 + r]));
-                if (bias) out = _mm512_add_ps(out, _mm512_loadu_ps(bias + c));
-                _mm512_storeu_ps(y + (int64_t)(r0 + r) * n + c, out);
-            }
+            for (int r = 0; r < m; r++)
+                finish8_16(_mm512_loadu_si512((const void *)sums[r]), offset, scale, x_scale[r0 + r],
+                           bias ? bias + c : NULL, y + (int64_t)(r0 + r) * n + c);
         }
     }
     _tile_release();
