@@ -218,13 +218,12 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
 
 
 def choose_weights(choice: str, stored_kinds, models) -> str:
-    """The mode ``choice`` means for these models; raises ValueError (one line) where it
-    cannot run. ``stored_kinds``: how the checkpoint stores its weights (GGUF type names,
-    ``GroupedWeight``s for the 4-bit groups it matched, ``StoredRows``); empty for a float one."""
+    """The mode ``choice`` (one of WEIGHTS: ``split_modes`` checked it) means for these
+    models; raises ValueError (one line) where it cannot run. ``stored_kinds``: how the
+    checkpoint stores its weights (GGUF type names, ``GroupedWeight``s for the 4-bit
+    groups it matched, ``StoredRows``); empty for a float one."""
     from rakv import int4
     from rakv.gguf_groups import PLAIN
-    if choice not in WEIGHTS:
-        raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {choice!r}")
     mode = choice
     if choice == AUTO:
         four_bit = any(isinstance(k, int4.GroupedWeight) for k in stored_kinds)
