@@ -1,5 +1,6 @@
 """int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once. The
-same library holds int8's kernel (``rakv.weights.Int8Forward``).
+same library holds int8's kernel (``rakv.weights.Int8Forward``) and the quantized modes'
+attention (``attention_kernel.c``, ``rakv.row_attention``).
 
 A weight is 4-bit integers in groups of ``GROUP`` inputs, each group with a scale and an
 offset: w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, a and b 8-bit steps of float
@@ -42,7 +43,8 @@ LANES = 16  # output channels per packed block; the kernel's LANES
 LEVELS = 15  # q in 0..LEVELS
 STEPS = 255  # a scale or offset step in 0..STEPS
 PER_UNIT = 8  # groups per unit when quantizing float weights (Q4_K's super-block of 256)
-SOURCE = Path(__file__).with_name("int4_kernel.c")
+# one library: the int4 and int8 kernels, and row-exact attention (``rakv.row_attention``)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_kernel.c", "attention_kernel.c"))
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off")
 OPENMP = "-fopenmp"  # threads over output blocks; built without it where the compiler lacks it
 
@@ -228,14 +230,15 @@ def kernel() -> ctypes.CDLL:
         raise KernelUnavailable("int4 needs a C compiler to build its kernel (none found: set CC or install gcc)")
     ran = _run([compiler, "--version"])
     version = ran.stdout.splitlines()[0] if ran is not None and ran.stdout else "?"
-    key = hashlib.blake2b(f"{SOURCE.read_bytes()!r}|{compiler}|{version}|{FLAGS}".encode(),
+    sources = "".join(repr(source.read_bytes()) for source in SOURCES)
+    key = hashlib.blake2b(f"{sources}|{compiler}|{version}|{FLAGS}".encode(),
                           digest_size=8).hexdigest()
     target = cache_root() / "kernels" / f"int4-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         for flags in ((*FLAGS, OPENMP), FLAGS):
-            result = _run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"])
+            result = _run([compiler, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"])
             if result is not None and result.returncode == 0:
                 break
         else:
@@ -254,6 +257,10 @@ def kernel() -> ctypes.CDLL:
                                      integer, integer]
     lib.rakv_int8_linear.restype = integer
     lib.rakv_int4_vector.restype = integer
+    wide = ctypes.c_int64
+    lib.rakv_attention.argtypes = [pointer, wide, wide, pointer, wide, wide, pointer, wide, wide, pointer,
+                                   integer, integer, integer, integer, integer, ctypes.c_float, integer, integer]
+    lib.rakv_attention.restype = integer
     return lib
 
 

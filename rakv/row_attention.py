@@ -9,12 +9,21 @@ flip. In int8 (``rakv.weights``) each Linear rounds its input to 255 levels a ro
 difference in the last bit moves a value across a rounding boundary now and then: a
 greedy token flipped on 3 of 3 SmolLM2 prompts under ``spec-k4``.
 
-So each query row runs as the one-token decode step at its position runs: Hugging Face's
-own SDPA attention, one query, the keys and values up to and including its position, no
-mask. With the Linear layers' rows exact (int8 sums are integers; oneDNN's packed float32
-layers stream their weight once per row block, rows never mixing) and every other op
-elementwise or per row, a verification forward over T tokens equals T decode steps, and a
-prompt prefilled in one piece equals the same prompt after a stored prefix.
+So every row runs the same code over its own keys, whatever T: the project's C kernel
+(``attention_kernel.c``, in the library ``rakv.int4`` builds), for one token as for many.
+Its sums have a fixed order, so a row's bits do not depend on T. Where the library cannot
+be built, each row runs as a one-token decode step runs: Hugging Face's own SDPA
+attention, one query, the keys and values up to and including its position, no mask.
+Those two are different arithmetic, so which one runs is part of the model (``kind``, in
+``rakv.weights``' fingerprints). Either way, with the Linear layers' rows exact (int8 sums
+are integers; oneDNN's packed float32 layers stream their weight once per row block, rows
+never mixing) and every other op elementwise or per row, a verification forward over T
+tokens equals T decode steps, and a prompt prefilled in one piece equals the same prompt
+after a stored prefix.
+
+Why a kernel: SDPA one row at a time cost a Qwen2.5-Coder-1.5B int8 target 93-102 ms of a
+104-token prefill (550-630 ms) and 25-27 ms of a 9-token verification (181-192 ms); the
+0.5B draft 68 of 221 ms and 15.5 of 68 (one thread, core 1).
 
 Invariants:
 - Batch size 1 with no padding (the engine's case, and HF greedy's reference): row i of T
@@ -26,6 +35,8 @@ Invariants:
 from __future__ import annotations
 
 ROW_EXACT = "rakv_row_exact"
+KERNEL = "rakv_attention C kernel, v1"  # change the kernel's arithmetic: bump it (a new model)
+PORTABLE = 0  # 1: the kernel's portable path (tests compare the two)
 
 
 def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
@@ -33,7 +44,12 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     num_rows, kv_length = query.shape[2], key.shape[2]
-    if num_rows == 1 or query.shape[0] != 1 or not _causal(attention_mask, num_rows, kv_length):
+    plain = query.shape[0] == 1 and _causal(attention_mask, num_rows, kv_length)
+    lib = kernel()
+    if plain and lib is not None and _kernel_takes(query, key, value, kwargs):
+        # every T, one included: the kernel's rows are the model's attention
+        return kernel_attention(lib, query, key, value, kwargs.get("scaling")), None
+    if num_rows == 1 or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs.pop("is_causal", None)
     if _one_query_call_is_plain(query, key, value, kwargs):
@@ -53,6 +69,45 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
                                         is_causal=False, **kwargs)
         rows.append(out)  # [1, 1, heads, dim]
     return torch.cat(rows, dim=1), None
+
+
+def kernel():
+    """The C library that holds ``rakv_attention`` (``rakv.int4``), or None where it cannot
+    be built here: then PyTorch's SDPA runs each row, another arithmetic (``kind``)."""
+    from rakv.int4 import kernel_or_none
+    return kernel_or_none()
+
+
+def kind() -> str:
+    """How row-exact attention computes here: part of a quantized model's identity."""
+    return KERNEL if kernel() is not None else "torch SDPA, one call per row"
+
+
+def kernel_attention(lib, query, key, value, scale: float | None):
+    """query [1, heads, T, dim], key/value [1, kv_heads, L, dim] float32 -> [1, T, heads, dim],
+    on the C kernel (``attention_kernel.c``): row i sees the first L - T + 1 + i keys."""
+    import torch
+    _, heads, num_rows, dim = query.shape
+    out = torch.empty(1, num_rows, heads, dim)
+    scale = dim ** -0.5 if scale is None else scale
+    if lib.rakv_attention(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1),
+                          key.stride(2), value.data_ptr(), value.stride(1), value.stride(2), out.data_ptr(),
+                          num_rows, heads, key.shape[1], key.shape[2], dim, scale, torch.get_num_threads(),
+                          PORTABLE):
+        raise MemoryError(f"row-exact attention: no memory for {key.shape[2]} scores")
+    return out
+
+
+def _kernel_takes(query, key, value, kwargs) -> bool:
+    """Whether the kernel computes this call: float32 on a CPU, each position's values
+    contiguous, grouped heads, none of the optional inputs. None of it depends on T, so a
+    model's every forward takes the same path."""
+    import torch
+    tensors = (query, key, value)
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1 for t in tensors)
+            and query.shape[-1] == key.shape[-1] == value.shape[-1] and query.shape[1] % key.shape[1] == 0
+            and key.shape[:3] == value.shape[:3] and not kwargs.get("dropout")
+            and not {"softcap", "position_bias", "output_attentions"} & kwargs.keys())
 
 
 def _one_query_call_is_plain(query, key, value, kwargs) -> bool:

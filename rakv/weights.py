@@ -25,6 +25,8 @@ Invariants:
 - **Attention rows never mix either** (``rakv.row_attention``): int8 rounds every Linear's
   input, so the last-bit differences that float32 attention leaves between a forward over
   T tokens and T one-token forwards would now and then flip a rounding, and a greedy token.
+  The quantized modes run it on the library's attention kernel (SDPA row by row where
+  the library cannot be built: another model, so ``tagged`` names which).
   float32 keeps PyTorch's attention: there those differences stay at 1e-7 and have never
   flipped a token in the test suite, and its shipped traces were timed with it.
 - **No float32 copy.** In int4, an embedding the GGUF stores quantized keeps the file's
@@ -244,11 +246,14 @@ def choose_weights(choice: str, stored_kinds, models) -> str:
 
 def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = ()) -> str | None:
     """The fingerprint of a model in ``mode``, from its float32 fingerprint; ``plan``: how
-    each Linear runs in int4 (``quantize_linears``), which makes it another model."""
+    each Linear runs in int4 (``quantize_linears``), which makes it another model. So does
+    how its attention's rows run (``rakv.row_attention.kind``)."""
     if fingerprint is None or mode == FP32:
         return fingerprint
+    from rakv.row_attention import kind
     detail = "|" + ";".join(plan) if mode in FOUR_BIT else ""
-    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}{detail}".encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}|attention: {kind()}{detail}".encode(),
+                           digest_size=16).hexdigest()
 
 
 def split_modes(spec: str) -> tuple[str, str | None]:
