@@ -22,11 +22,15 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from rakv import layer_kernel
 
 _LAYER_CLASSES = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
 _NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
@@ -37,8 +41,7 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Mode
 class LayerPlan:
     """One decoder layer's parts, gathered so a step looks none of them up."""
 
-    norm_in: torch.Tensor  # [hidden] input_layernorm.weight
-    norm_in_eps: float
+    norm_in: Callable[[torch.Tensor], torch.Tensor]  # input_layernorm's arithmetic (``norm_of``)
     q: torch.nn.Module
     k: torch.nn.Module
     v: torch.nn.Module
@@ -47,8 +50,7 @@ class LayerPlan:
     attention_kwargs: dict  # what HF's attention module passes besides the tensors
     head_dim: int
     index: int
-    norm_post: torch.Tensor  # [hidden] post_attention_layernorm.weight
-    norm_post_eps: float
+    norm_post: Callable[[torch.Tensor], torch.Tensor]  # post_attention_layernorm's
     gate: torch.nn.Module
     up: torch.nn.Module
     down: torch.nn.Module
@@ -58,10 +60,12 @@ class LayerPlan:
 @dataclass(frozen=True)
 class ModelPlan:
     layers: tuple[LayerPlan, ...]
-    inner: torch.nn.Module  # model.model: embeddings, rotary embedding, final norm
+    inner: torch.nn.Module  # model.model: embeddings, rotary embedding
+    norm: Callable[[torch.Tensor], torch.Tensor]  # the final norm's arithmetic
     head: torch.nn.Module
     eager: object  # the modeling module's eager attention, HF's fallback for an unknown name
     create_causal_mask: object
+    library: object  # the C library (``rakv.layer_kernel``), or None where it cannot be built
 
 
 def plan_of(model) -> ModelPlan | None:
@@ -96,18 +100,23 @@ def _build(model) -> ModelPlan | None:
         kwargs = {"dropout": 0.0, "scaling": attn.scaling}
         if hasattr(attn, "sliding_window"):  # Qwen2 passes it, Llama does not
             kwargs["sliding_window"] = attn.sliding_window
-        plans.append(LayerPlan(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                               attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn, kwargs, attn.head_dim,
-                               attn.layer_idx, layer.post_attention_layernorm.weight,
-                               layer.post_attention_layernorm.variance_epsilon,
+        plans.append(LayerPlan(norm_of(layer.input_layernorm), attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                               attn, kwargs, attn.head_dim, attn.layer_idx, norm_of(layer.post_attention_layernorm),
                                mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(used)
     if any(kind != "full_attention" for kind in layer_types[:len(used)]):
         return None  # sliding-window layers take another mask: HF's forward builds it
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return None  # plain calls would skip an inner module's hooks
-    return ModelPlan(tuple(plans), inner, model.lm_head, modeling.eager_attention_forward,
-                     modeling.create_causal_mask)
+    return ModelPlan(tuple(plans), inner, norm_of(inner.norm), model.lm_head, modeling.eager_attention_forward,
+                     modeling.create_causal_mask, layer_kernel.library())
+
+
+def norm_of(module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A norm module's arithmetic: its instance ``forward`` where one was set (the quantized
+    modes' kernel, ``rakv.layer_kernel``; set before the plan is built), else HF's."""
+    return vars(module).get("forward") or functools.partial(rms_norm, weight=module.weight,
+                                                            eps=module.variance_epsilon)
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,23 +135,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,
-                  attention, extra: dict) -> torch.Tensor:
-    """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]; cos/sin [1, 1, T, head_dim]."""
+                  attention, extra: dict, kernel=None) -> torch.Tensor:
+    """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]; cos/sin [1, 1, T, head_dim];
+    ``kernel``: the C library, where the rotary embedding runs on it."""
     residual = hidden
-    x = rms_norm(hidden, plan.norm_in, plan.norm_in_eps)
+    x = plan.norm_in(hidden)
     shape = (*x.shape[:-1], -1, plan.head_dim)
     query = plan.q.forward(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
     key = plan.k.forward(x).view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
     value = plan.v.forward(x).view(shape).transpose(1, 2)
-    query = (query * cos) + (rotate_half(query) * sin)
-    key = (key * cos) + (rotate_half(key) * sin)
+    if kernel is not None:  # HF's bits in one call
+        query, key = layer_kernel.rope(kernel, query, key, cos, sin)
+    else:
+        query = (query * cos) + (rotate_half(query) * sin)
+        key = (key * cos) + (rotate_half(key) * sin)
     if cache is not None:
         key, value = cache.update(key, value, plan.index, kwargs=extra)
     out, _ = attention(plan.attention, query, key, value, mask, **plan.attention_kwargs, **extra)
     out = out.reshape(*x.shape[:-1], -1).contiguous()  # [1, T, heads * head_dim]
     hidden = residual + plan.o.forward(out)
     residual = hidden
-    x = rms_norm(hidden, plan.norm_post, plan.norm_post_eps)
+    x = plan.norm_post(hidden)
     return residual + plan.down.forward(plan.act.forward(plan.gate.forward(x)) * plan.up.forward(x))
 
 
@@ -158,10 +171,12 @@ def logits(plan: ModelPlan, model, cache, ids: torch.Tensor, num_logits: int) ->
                                    position_ids=position_ids)
     cos, sin = inner.rotary_emb(embeds, position_ids)  # [1, T, head_dim]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim], as apply_rotary_pos_emb
+    rope_kernel = plan.library if cos.dtype == torch.float32 and cos.device.type == "cpu" and cos.is_contiguous() \
+        else None
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, plan.eager)
     extra = {"position_ids": position_ids, "use_cache": cache is not None}  # what HF's layers pass on
     hidden = embeds
     for layer in plan.layers:
-        hidden = layer_forward(layer, hidden, cos, sin, mask, cache, attention, extra)
-    hidden = rms_norm(hidden, inner.norm.weight, inner.norm.variance_epsilon)
+        hidden = layer_forward(layer, hidden, cos, sin, mask, cache, attention, extra, rope_kernel)
+    hidden = plan.norm(hidden)
     return plan.head(hidden[:, -num_logits:, :])

@@ -1,6 +1,7 @@
 """int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once. The
 same library holds int8's kernel (``rakv.weights.Int8Forward``) and the quantized modes'
-attention (``attention_kernel.c``, ``rakv.row_attention``).
+attention (``attention_kernel.c``, ``rakv.row_attention``), rotary embedding and RMSNorm
+(``layer_kernel.c``, ``rakv.layer_kernel``).
 
 A weight is 4-bit integers in groups of ``GROUP`` inputs, each group with a scale and an
 offset: w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, a and b 8-bit steps of float
@@ -43,8 +44,10 @@ LANES = 16  # output channels per packed block; the kernel's LANES
 LEVELS = 15  # q in 0..LEVELS
 STEPS = 255  # a scale or offset step in 0..STEPS
 PER_UNIT = 8  # groups per unit when quantizing float weights (Q4_K's super-block of 256)
-# one library: the int4 and int8 kernels, and row-exact attention (``rakv.row_attention``)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int4_kernel.c", "attention_kernel.c"))
+# one library: the int4 and int8 kernels, row-exact attention (``rakv.row_attention``),
+# rotary embedding and RMSNorm (``rakv.layer_kernel``)
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("int4_kernel.c", "attention_kernel.c", "layer_kernel.c"))
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off")
 OPENMP = "-fopenmp"  # threads over output blocks; built without it where the compiler lacks it
 
@@ -261,6 +264,11 @@ def kernel() -> ctypes.CDLL:
     lib.rakv_attention.argtypes = [pointer, wide, wide, pointer, wide, wide, pointer, wide, wide, pointer,
                                    integer, integer, integer, integer, integer, ctypes.c_float, integer, integer]
     lib.rakv_attention.restype = integer
+    lib.rakv_rope.argtypes = [pointer, wide, wide, integer, pointer, wide, wide, integer, integer, integer, pointer,
+                              pointer, pointer, pointer, integer]
+    lib.rakv_rope.restype = None
+    lib.rakv_rms_norm.argtypes = [pointer, integer, integer, pointer, ctypes.c_float, pointer, integer]
+    lib.rakv_rms_norm.restype = None
     return lib
 
 

@@ -14,8 +14,8 @@ So every row runs the same code over its own keys, whatever T: the project's C k
 Its sums have a fixed order, so a row's bits do not depend on T. Where the library cannot
 be built, each row runs as a one-token decode step runs: Hugging Face's own SDPA
 attention, one query, the keys and values up to and including its position, no mask.
-Those two are different arithmetic, so which one runs is part of the model (``kind``, in
-``rakv.weights``' fingerprints). Either way, with the Linear layers' rows exact (int8 sums
+Those two are different arithmetic, so which one runs is part of the model
+(``rakv.weights.KERNEL_OPS``: bump it when the kernel's arithmetic changes). Either way, with the Linear layers' rows exact (int8 sums
 are integers; oneDNN's packed float32 layers stream their weight once per row block, rows
 never mixing) and every other op elementwise or per row, a verification forward over T
 tokens equals T decode steps, and a prompt prefilled in one piece equals the same prompt
@@ -35,7 +35,6 @@ Invariants:
 from __future__ import annotations
 
 ROW_EXACT = "rakv_row_exact"
-KERNEL = "rakv_attention C kernel, v1"  # change the kernel's arithmetic: bump it (a new model)
 PORTABLE = 0  # 1: the kernel's portable path (tests compare the two)
 
 
@@ -73,14 +72,9 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
 
 def kernel():
     """The C library that holds ``rakv_attention`` (``rakv.int4``), or None where it cannot
-    be built here: then PyTorch's SDPA runs each row, another arithmetic (``kind``)."""
+    be built here: then PyTorch's SDPA runs each row, another arithmetic."""
     from rakv.int4 import kernel_or_none
     return kernel_or_none()
-
-
-def kind() -> str:
-    """How row-exact attention computes here: part of a quantized model's identity."""
-    return KERNEL if kernel() is not None else "torch SDPA, one call per row"
 
 
 def kernel_attention(lib, query, key, value, scale: float | None):

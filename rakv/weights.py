@@ -25,8 +25,9 @@ Invariants:
 - **Attention rows never mix either** (``rakv.row_attention``): int8 rounds every Linear's
   input, so the last-bit differences that float32 attention leaves between a forward over
   T tokens and T one-token forwards would now and then flip a rounding, and a greedy token.
-  The quantized modes run it on the library's attention kernel (SDPA row by row where
-  the library cannot be built: another model, so ``tagged`` names which).
+  The quantized modes run it, and their RMSNorm, on the library's kernels (torch's SDPA
+  row by row and HF's norm where the library cannot be built: another model, so
+  ``tagged`` names which).
   float32 keeps PyTorch's attention: there those differences stay at 1e-7 and have never
   flipped a token in the test suite, and its shipped traces were timed with it.
 - **No float32 copy.** In int4, an embedding the GGUF stores quantized keeps the file's
@@ -79,6 +80,10 @@ FOUR_BIT = (INT4, INT4_PURE)  # the modes of 4-bit groups, on the int4 kernel
 FORMATS = {INT8: "int8: per-channel symmetric weights, per-row dynamic symmetric activations, v1",
            INT4: "int4: groups of 32, w = a q + b, f16 units, per-group symmetric int8 activations, v2"}
 FORMATS[INT4_PURE] = FORMATS[INT4]  # the same layers: the plan (how each Linear runs) tells the two apart
+# How a quantized model's attention and norms compute, also part of it: on the C library's
+# kernels (rakv.row_attention, rakv.layer_kernel), or in torch where it cannot be built.
+KERNEL_OPS = "attention (row-exact) and RMSNorm on rakv's C kernels, v1"
+TORCH_OPS = "attention as torch SDPA one row at a time, Hugging Face's RMSNorm"
 WEIGHTS_HELP = ("precision of the Linear layers (rows stay exact; each mode is its own model): int4 runs a "
                 "GGUF's 4-bit groups as stored (5-8 bit tensors as int8, float ones quantized to 4-bit groups); "
                 "int8 per-channel int8 weights, per-row int8 activations; fp32 as loaded; auto: int4 for a GGUF "
@@ -244,16 +249,14 @@ def choose_weights(choice: str, stored_kinds, models) -> str:
     return mode
 
 
-def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = ()) -> str | None:
+def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = (), ops: str = KERNEL_OPS) -> str | None:
     """The fingerprint of a model in ``mode``, from its float32 fingerprint; ``plan``: how
-    each Linear runs in int4 (``quantize_linears``), which makes it another model. So does
-    how its attention's rows run (``rakv.row_attention.kind``)."""
+    each Linear runs in int4 (``quantize_linears``), which makes it another model. So do
+    ``ops``: how its attention and norms compute (``KERNEL_OPS`` or ``TORCH_OPS``)."""
     if fingerprint is None or mode == FP32:
         return fingerprint
-    from rakv.row_attention import kind
     detail = "|" + ";".join(plan) if mode in FOUR_BIT else ""
-    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}|attention: {kind()}{detail}".encode(),
-                           digest_size=16).hexdigest()
+    return hashlib.blake2b(f"{fingerprint}|{FORMATS[mode]}|{ops}{detail}".encode(), digest_size=16).hexdigest()
 
 
 def split_modes(spec: str) -> tuple[str, str | None]:
@@ -292,15 +295,17 @@ def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] 
         if pair.draft is not None and modes[0] != modes[1] and _shares_layers(pair.target, pair.draft):
             raise ValueError(f"--weights {choice}: this draft runs the target's own layers, so it runs in the "
                              f"target's mode; give one mode")
-    plans = [(), ()]
+    plans, ops = [(), ()], [KERNEL_OPS, KERNEL_OPS]
+    from rakv.layer_kernel import use_kernel_norms
     from rakv.row_attention import use_row_exact_attention
     for i, (model, mode) in enumerate(zip(models, modes)):
         if model is not None and mode != FP32:
             plans[i] = quantize_linears(model, mode, stored[i])
             use_row_exact_attention(model)
+            ops[i] = KERNEL_OPS if use_kernel_norms(model) else TORCH_OPS
     if any(mode != FP32 for mode in modes):
         return_freed_memory()
     weights = modes[0] if pair.draft is None or modes[0] == modes[1] else f"{modes[0]}/{modes[1]}"
     return dataclasses.replace(pair, weights=weights,
-                               target_fingerprint=tagged(pair.target_fingerprint, modes[0], plans[0]),
-                               draft_fingerprint=tagged(pair.draft_fingerprint, modes[1], plans[1]))
+                               target_fingerprint=tagged(pair.target_fingerprint, modes[0], plans[0], ops[0]),
+                               draft_fingerprint=tagged(pair.draft_fingerprint, modes[1], plans[1], ops[1]))
