@@ -33,8 +33,9 @@ from rakv.weights import FP32
 
 # Bump when an engine change moves what an op costs or how it is measured (v8: KV caches
 # append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step;
-# v10: layers run as plain calls, rakv.direct_forward).
-CALIBRATION_VERSION = 10
+# v10: layers run as plain calls, rakv.direct_forward; v11: rotary embedding on the C
+# library in every mode, rakv.layer_kernel; the quantized modes' key names the library).
+CALIBRATION_VERSION = 11
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",

@@ -14,7 +14,10 @@ Invariants:
   (a ``.to`` to the tensor's own dtype).
 - Each Linear runs through its module's ``forward`` attribute at call time, so a kernel
   swapped in later (``rakv.cpu_linear``, ``rakv.weights``, the benches' labels) is the
-  one that runs; the norms' weights are the modules' own tensors.
+  one that runs; where q/k/v or gate/up are joined (``rakv.joined_linears``: one kernel
+  call, each part's bits), the joined call runs only while each module still runs its
+  part. A norm runs its module's instance ``forward`` where the quantized modes set one
+  (``rakv.layer_kernel``), else HF's arithmetic on the module's own weight.
 - Any other architecture, a model in training mode, or one whose forward was wrapped (an
   instance ``forward``, forward hooks on it, or hooks on an inner module when the plan is
   built) gets ``None`` from ``plan_of`` and runs through Hugging Face's forward
@@ -55,6 +58,8 @@ class LayerPlan:
     up: torch.nn.Module
     down: torch.nn.Module
     act: torch.nn.Module
+    qkv: object = None  # q, k and v as one kernel call (``rakv.joined_linears.Joined``), or None
+    gate_up: object = None  # gate and up likewise
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,8 @@ def _build(model) -> ModelPlan | None:
             kwargs["sliding_window"] = attn.sliding_window
         plans.append(LayerPlan(norm_of(layer.input_layernorm), attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
                                attn, kwargs, attn.head_dim, attn.layer_idx, norm_of(layer.post_attention_layernorm),
-                               mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn))
+                               mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn,
+                               vars(attn).get("_rakv_joined"), vars(mlp).get("_rakv_joined")))
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(used)
     if any(kind != "full_attention" for kind in layer_types[:len(used)]):
         return None  # sliding-window layers take another mask: HF's forward builds it
@@ -141,9 +147,13 @@ def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin:
     residual = hidden
     x = plan.norm_in(hidden)
     shape = (*x.shape[:-1], -1, plan.head_dim)
-    query = plan.q.forward(x).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
-    key = plan.k.forward(x).view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
-    value = plan.v.forward(x).view(shape).transpose(1, 2)
+    if plan.qkv is not None and plan.qkv.current((plan.q, plan.k, plan.v)):
+        query, key, value = plan.qkv(x)  # one kernel call, each part's bits
+    else:
+        query, key, value = plan.q.forward(x), plan.k.forward(x), plan.v.forward(x)
+    query = query.view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
+    key = key.view(shape).transpose(1, 2)  # [1, kv_heads, T, head_dim]
+    value = value.view(shape).transpose(1, 2)
     if kernel is not None:  # HF's bits in one call
         query, key = layer_kernel.rope(kernel, query, key, cos, sin)
     else:
@@ -156,7 +166,11 @@ def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin:
     hidden = residual + plan.o.forward(out)
     residual = hidden
     x = plan.norm_post(hidden)
-    return residual + plan.down.forward(plan.act.forward(plan.gate.forward(x)) * plan.up.forward(x))
+    if plan.gate_up is not None and plan.gate_up.current((plan.gate, plan.up)):
+        gate, up = plan.gate_up(x)
+    else:
+        gate, up = plan.gate.forward(x), plan.up.forward(x)
+    return residual + plan.down.forward(plan.act.forward(gate) * up)
 
 
 def logits(plan: ModelPlan, model, cache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:

@@ -189,10 +189,15 @@ class Int4Forward:
             self.bias[:self.out_features] = linear.bias.detach().to(torch.float32)
         self.source = grouped.source
         self.portable = 0  # 1: the kernel's portable path (tests compare the two)
-        # the kernel's arguments that never change, from packed to n (the tensors stay held above)
-        self.layer_arguments = (*(None if t is None else t.data_ptr()
-                          for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
-                        self.per_unit, None if self.bias is None else self.bias.data_ptr(), self.padded)
+        self.layer_arguments = self.arguments()
+
+    TENSORS = ("packed", "a_step", "b_step", "a_unit", "b_unit", "bias")  # each [blocks or padded, ...]
+
+    def arguments(self) -> tuple:
+        """The kernel's arguments that never change, from packed to n (the tensors stay held)."""
+        return (*(None if t is None else t.data_ptr()
+                  for t in (self.packed, self.a_step, self.b_step, self.a_unit, self.b_unit)),
+                self.per_unit, None if self.bias is None else self.bias.data_ptr(), self.padded)
 
     @property
     def num_bytes(self) -> int:

@@ -129,8 +129,7 @@ class Int8Forward:
             self.scale = torch.cat([scale, scale.new_ones(extra)])  # [padded]
             self.bias = None if bias is None else torch.cat([bias, bias.new_zeros(extra)])  # [padded]
             self.padded = padded
-            self.layer_arguments = (self.packed.data_ptr(), self.colsum.data_ptr(), self.scale.data_ptr(),
-                                    None if self.bias is None else self.bias.data_ptr(), padded)
+            self.layer_arguments = self.arguments()
             return
         if weight.shape[0] < MIN_COLUMNS:
             quantized = torch.cat([quantized, quantized.new_zeros(MIN_COLUMNS - weight.shape[0], weight.shape[1])])
@@ -139,6 +138,13 @@ class Int8Forward:
         self.scale = scale
         self.zero_points = torch.zeros(scale.shape[0], dtype=torch.int64)
         self.bias = bias
+
+    TENSORS = ("packed", "colsum", "scale", "bias")  # the C kernel's, each [blocks or padded, ...]
+
+    def arguments(self) -> tuple:
+        """The C kernel's arguments that never change, from packed to n (the tensors stay held)."""
+        return (self.packed.data_ptr(), self.colsum.data_ptr(), self.scale.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), self.padded)
 
     @property
     def num_bytes(self) -> int:
@@ -296,11 +302,13 @@ def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] 
             raise ValueError(f"--weights {choice}: this draft runs the target's own layers, so it runs in the "
                              f"target's mode; give one mode")
     plans, ops = [(), ()], [KERNEL_OPS, KERNEL_OPS]
+    from rakv.joined_linears import join_layers
     from rakv.layer_kernel import use_kernel_norms
     from rakv.row_attention import use_row_exact_attention
     for i, (model, mode) in enumerate(zip(models, modes)):
         if model is not None and mode != FP32:
             plans[i] = quantize_linears(model, mode, stored[i])
+            join_layers(model)  # the same bits in fewer calls: not another model
             use_row_exact_attention(model)
             ops[i] = KERNEL_OPS if use_kernel_norms(model) else TORCH_OPS
     if any(mode != FP32 for mode in modes):
