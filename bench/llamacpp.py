@@ -23,7 +23,9 @@ the prompt to the last token. llama.cpp's times are its own printed prompt and g
 times (model loading excluded); the engine's are wall times. It prints the ratios to
 llama.cpp plain greedy and to llama.cpp's best speculative setting, and whether each
 llama.cpp output equals llama.cpp's own greedy output (its arithmetic depends on the
-batch size, so its speculation is not always exact). Beside each, the prompt's rate:
+batch size, so its speculation is not always exact), and whether each of the engine's
+equals its ``ar`` output in the target's mode (plain greedy of the same weights: always,
+or the engine is wrong). Beside each, the prompt's rate:
 prompt tokens over llama.cpp's prompt eval (or encode) time, or over the engine's time to
 its first token (prefill, the draft's included, and the decision).
 """
@@ -216,6 +218,7 @@ def bench(args) -> int:
     llama = {name: run for name, run in llama.items() if run[0] in tools}
     tallies = {workload: Tally() for workload in prompts}
     exact = {name: 0 for name in llama if name != "llama.cpp greedy"}
+    engine_exact = {name: 0 for name in engines}  # outputs equal to the target mode's ``ar`` output
     start = time.perf_counter()
     for workload, prompt_list in prompts.items():
         for i, ids in enumerate(prompt_list):
@@ -228,8 +231,13 @@ def bench(args) -> int:
                 else:  # a speculative tool may run past -n: its output must start with greedy's
                     exact[name] += run.text.strip().startswith(greedy.strip())
                 tallies[workload].add(name, run)
+            plain_output = {}  # target mode -> the output of ``ar`` in it (the first engine of a mode: plain greedy)
             for name, (pair, engine) in engines.items():
-                tallies[workload].add(name, engine_run(engine, ids, args.max_new_tokens, pair))
+                run = engine_run(engine, ids, args.max_new_tokens, pair)
+                target_mode = pair.weights.split("/")[0]  # a draft's mode never changes the output
+                if plain_output.setdefault(target_mode, run.text) == run.text:
+                    engine_exact[name] += 1
+                tallies[workload].add(name, run)
             print(f"{workload} prompt {i + 1}/{len(prompt_list)} done ({time.perf_counter() - start:.0f} s)",
                   file=sys.stderr)
     num_prompts = sum(map(len, prompts.values()))
@@ -241,7 +249,9 @@ def bench(args) -> int:
               f"speculative setting: {best_spec} {tally.tokens_per_s(best_spec):.2f}")
         for name in tally.runs:
             rate = tally.tokens_per_s(name)
-            same = f"   equals llama.cpp greedy on {exact[name]}/{num_prompts} prompts" if name in exact else ""
+            same = f"   equals llama.cpp greedy on {exact[name]}/{num_prompts} prompts" if name in exact \
+                else f"   equals the engine's ar on {engine_exact[name]}/{num_prompts} prompts" if name in engine_exact \
+                else ""
             print(f"  {name:42} {rate:7.2f} tok/s  x{rate / plain:5.2f} llama.cpp greedy  "
                   f"x{rate / tally.tokens_per_s(best_spec):5.2f} its best speculative  "
                   f"prompt {tally.prompt_tokens_per_s(name):6.1f} tok/s{same}")
