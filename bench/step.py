@@ -30,7 +30,9 @@ import time
 TOKENS = (1, 2, 3, 5, 9, 17)
 SPLIT_TOKENS = (1, 9)  # a step, and a verification of 8 drafted tokens
 LINEAR_OPS = ("rakv_int4_linear", "rakv_int8_linear", "qlinear_pointwise", "_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "aten::matmul")
-ATTENTION_OPS = ("scaled_dot_product", "flash_attention")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "rakv_attention")
+C_OTHER = ("rakv_rms_norm", "rakv_rope")
+C_CALLS = ("rakv_int4_linear", "rakv_int8_linear", "rakv_attention", *C_OTHER)  # the C library's, by name
 
 
 def forward_ms(model, cache, num_context: int, num_tokens: int) -> float:
@@ -66,30 +68,26 @@ def step_split_ms(model, cache, num_context: int, repeat: int, num_tokens: int =
     """A forward over ``num_tokens`` split by the profiler's self times (ms, medians)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from rakv.int4 import Int4Forward
-    from rakv.weights import Int8Forward
+    from rakv.int4 import kernel_or_none
     splits = []
+    lib = kernel_or_none()
+    # the C library's calls are ones the profiler cannot see: each runs under its own name
+    originals = {name: getattr(lib, name) for name in C_CALLS} if lib is not None else {}
 
-    def c_kernel(forward) -> str | None:  # the C kernels are calls the profiler cannot see: name them
-        if isinstance(forward, Int4Forward):
-            return "rakv_int4_linear"
-        return "rakv_int8_linear" if isinstance(forward, Int8Forward) and forward.lib is not None else None
-    c_modules = [(m, name) for m in model.modules() if (name := c_kernel(vars(m).get("_rakv_quantized")))]
-
-    def labelled(forward, name):
-        def run(x):
+    def labelled(function, name):
+        def run(*args):
             with record_function(name):
-                return forward(x)
+                return function(*args)
         return run
     for _ in range(repeat):
-        for module, name in c_modules:
-            module.forward = labelled(module._rakv_quantized, name)
+        for name, function in originals.items():
+            setattr(lib, name, labelled(function, name))
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 wall_ms = forward_ms(model, cache, num_context, num_tokens)
         finally:
-            for module, _ in c_modules:
-                module.forward = module._rakv_quantized
+            for name, function in originals.items():
+                setattr(lib, name, function)
         split = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
         for event in prof.key_averages():
             ms = event.self_cpu_time_total / 1e3
@@ -97,7 +95,7 @@ def step_split_ms(model, cache, num_context: int, repeat: int, num_tokens: int =
                 split["linear"] += ms
             elif any(op in event.key for op in ATTENTION_OPS):
                 split["attention"] += ms
-            elif event.key.startswith(("aten::", "onednn::", "mkldnn::")):
+            elif event.key.startswith(("aten::", "onednn::", "mkldnn::")) or event.key in C_OTHER:
                 split["other ops"] += ms
         split["python and dispatch"] = max(0.0, wall_ms - sum(split.values()))
         split["wall"] = wall_ms
