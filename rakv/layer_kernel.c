@@ -82,6 +82,13 @@ void rakv_rope(const float *q, int64_t q_head, int64_t q_row, int heads, const f
     }
 }
 
+/* Lanes added in halves: 8, 4, 2, 1. */
+__attribute__((always_inline)) static inline float halves(float *lane) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
+    return lane[0];
+}
+
 #if defined(__x86_64__)
 __attribute__((target_clones("fma", "default")))  /* fmaf as one instruction where the CPU has it */
 #endif
@@ -91,9 +98,7 @@ static float squares_portable(const float *x, int n) {
     for (int c = 0; c < whole; c += LANES)  /* input c into lane c % 16; in two loops, it vectorizes */
         for (int i = 0; i < LANES; i++) lane[i] = fmaf(x[c + i], x[c + i], lane[i]);
     for (int i = 0; i < n - whole; i++) lane[i] = fmaf(x[whole + i], x[whole + i], lane[i]);
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
-    return lane[0];
+    return halves(lane);
 }
 
 #if defined(__x86_64__)
@@ -107,9 +112,7 @@ static float squares_vector(const float *x, int n) {
     }
     float lane[LANES];
     _mm512_storeu_ps(lane, acc);
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
-    return lane[0];
+    return halves(lane);
 }
 #endif
 
