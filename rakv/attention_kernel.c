@@ -27,8 +27,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include "lane_sums.h"
 
-#define LANES 16
 #define EXP_MIN -87.0f  /* below this exp(x) is taken as 0: 2^n stays a normal float */
 #define LOG2E 1.44269504088896341f
 #define LN2_HI 0.693145751953125f  /* ln 2 in two parts, the first exact in few bits: n * LN2_HI is exact */
@@ -52,22 +52,6 @@ __attribute__((always_inline)) static inline float exp_portable(float x) {
     float two_n;
     memcpy(&two_n, &bits, 4);
     return p * two_n;
-}
-
-/* Lanes added in halves: 8, 4, 2, 1. */
-__attribute__((always_inline)) static inline float halves(float *lane) {
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
-    return lane[0];
-}
-
-__attribute__((always_inline)) static inline float dot_portable(const float *a, const float *b, int dim) {
-    float lane[LANES] = {0};
-    int whole = dim - dim % LANES;
-    for (int c = 0; c < whole; c += LANES)  /* input c into lane c % 16; in two loops, it vectorizes */
-        for (int i = 0; i < LANES; i++) lane[i] = fmaf(a[c + i], b[c + i], lane[i]);
-    for (int i = 0; i < dim - whole; i++) lane[i] = fmaf(a[whole + i], b[whole + i], lane[i]);
-    return halves(lane);
 }
 
 /* One (row, head): out[dim] from q[dim], the keys and values of its kv head (rows of

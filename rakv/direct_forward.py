@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rakv import layer_kernel
+from rakv.int4 import kernel_or_none
 
 _LAYER_CLASSES = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
 _NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
@@ -70,7 +71,7 @@ class ModelPlan:
     head: torch.nn.Module
     eager: object  # the modeling module's eager attention, HF's fallback for an unknown name
     create_causal_mask: object
-    library: object  # the C library (``rakv.layer_kernel``), or None where it cannot be built
+    library: object  # the C library (``rakv.int4.kernel_or_none``), or None where it cannot be built
 
 
 def plan_of(model) -> ModelPlan | None:
@@ -115,7 +116,7 @@ def _build(model) -> ModelPlan | None:
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
         return None  # plain calls would skip an inner module's hooks
     return ModelPlan(tuple(plans), inner, norm_of(inner.norm), model.lm_head, modeling.eager_attention_forward,
-                     modeling.create_causal_mask, layer_kernel.library())
+                     modeling.create_causal_mask, kernel_or_none())
 
 
 def norm_of(module) -> Callable[[torch.Tensor], torch.Tensor]:

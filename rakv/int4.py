@@ -48,6 +48,7 @@ PER_UNIT = 8  # groups per unit when quantizing float weights (Q4_K's super-bloc
 # rotary embedding and RMSNorm (``rakv.layer_kernel``)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int4_kernel.c", "attention_kernel.c", "layer_kernel.c"))
+HEADERS = (Path(__file__).with_name("lane_sums.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off")
 OPENMP = "-fopenmp"  # threads over output blocks; built without it where the compiler lacks it
 
@@ -238,7 +239,7 @@ def kernel() -> ctypes.CDLL:
         raise KernelUnavailable("int4 needs a C compiler to build its kernel (none found: set CC or install gcc)")
     ran = _run([compiler, "--version"])
     version = ran.stdout.splitlines()[0] if ran is not None and ran.stdout else "?"
-    sources = "".join(repr(source.read_bytes()) for source in SOURCES)
+    sources = "".join(repr(source.read_bytes()) for source in SOURCES + HEADERS)
     key = hashlib.blake2b(f"{sources}|{compiler}|{version}|{FLAGS}".encode(),
                           digest_size=8).hexdigest()
     target = cache_root() / "kernels" / f"int4-{key}.so"

@@ -18,7 +18,7 @@
 #include <immintrin.h>
 #endif
 
-#define LANES 16
+#include "lane_sums.h"
 
 #if defined(__x86_64__)
 static int vector_usable(void) {
@@ -82,23 +82,11 @@ void rakv_rope(const float *q, int64_t q_head, int64_t q_row, int heads, const f
     }
 }
 
-/* Lanes added in halves: 8, 4, 2, 1. */
-__attribute__((always_inline)) static inline float halves(float *lane) {
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++) lane[i] = lane[i] + lane[i + w];
-    return lane[0];
-}
-
 #if defined(__x86_64__)
 __attribute__((target_clones("fma", "default")))  /* fmaf as one instruction where the CPU has it */
 #endif
 static float squares_portable(const float *x, int n) {
-    float lane[LANES] = {0};
-    int whole = n - n % LANES;
-    for (int c = 0; c < whole; c += LANES)  /* input c into lane c % 16; in two loops, it vectorizes */
-        for (int i = 0; i < LANES; i++) lane[i] = fmaf(x[c + i], x[c + i], lane[i]);
-    for (int i = 0; i < n - whole; i++) lane[i] = fmaf(x[whole + i], x[whole + i], lane[i]);
-    return halves(lane);
+    return dot_portable(x, x, n);
 }
 
 #if defined(__x86_64__)

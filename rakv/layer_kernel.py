@@ -22,12 +22,6 @@ NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
 PORTABLE = 0  # 1: the kernel's portable path (tests compare the two)
 
 
-def library():
-    """The C library, or None where it cannot be built here."""
-    from rakv.int4 import kernel_or_none
-    return kernel_or_none()
-
-
 def rope(lib, query, key, cos, sin):
     """HF's ``apply_rotary_pos_emb``: query [1, heads, T, dim], key [1, kv_heads, T, dim]
     float32 on a CPU, each position's dim values contiguous (views of a Linear's output);
@@ -65,7 +59,8 @@ def use_kernel_norms(model) -> bool:
     """Run ``model``'s RMSNorm modules on the kernel, where the library exists and the
     model is float32; returns whether it does."""
     import torch
-    lib = library()
+    from rakv.int4 import kernel_or_none
+    lib = kernel_or_none()
     norms = [m for m in model.modules() if type(m).__name__ in NORM_CLASSES]
     if lib is None or any(m.weight.dtype != torch.float32 or not m.weight.is_contiguous() for m in norms):
         return False

@@ -42,9 +42,11 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
     """query [1, heads, T, dim], key/value [1, kv_heads, L, dim] -> ([1, T, heads, dim], None)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from rakv.int4 import kernel_or_none
     num_rows, kv_length = query.shape[2], key.shape[2]
     plain = query.shape[0] == 1 and _causal(attention_mask, num_rows, kv_length)
-    lib = kernel()
+    lib = kernel_or_none()  # None where the library cannot be built: SDPA rows, another arithmetic
     if plain and lib is not None and _kernel_takes(query, key, value, kwargs):
         # every T, one included: the kernel's rows are the model's attention
         return kernel_attention(lib, query, key, value, kwargs.get("scaling")), None
@@ -68,13 +70,6 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
                                         is_causal=False, **kwargs)
         rows.append(out)  # [1, 1, heads, dim]
     return torch.cat(rows, dim=1), None
-
-
-def kernel():
-    """The C library that holds ``rakv_attention`` (``rakv.int4``), or None where it cannot
-    be built here: then PyTorch's SDPA runs each row, another arithmetic."""
-    from rakv.int4 import kernel_or_none
-    return kernel_or_none()
 
 
 def kernel_attention(lib, query, key, value, scale: float | None):

@@ -8,6 +8,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import NEEDS_INT4
+from rakv.int4 import kernel_or_none
 from rakv import layer_kernel
 
 pytestmark = NEEDS_INT4  # the kernel's library: built where a C compiler is
@@ -29,7 +30,7 @@ def rotary_inputs(heads: int, kv_heads: int, dim: int, rows: int, seed: int):
 def test_rope_is_hugging_faces_bit_for_bit(shape, portable, monkeypatch):
     monkeypatch.setattr(layer_kernel, "PORTABLE", portable)
     query, key, cos, sin = rotary_inputs(*shape, rows=9, seed=sum(shape))
-    got = layer_kernel.rope(layer_kernel.library(), query, key, cos, sin)
+    got = layer_kernel.rope(kernel_or_none(), query, key, cos, sin)
     want = apply_rotary_pos_emb(query, key, cos[:, 0], sin[:, 0])  # it unsqueezes them itself
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -43,7 +44,7 @@ class Norm(torch.nn.Module):
 
 @pytest.mark.parametrize("n", [576, 896, 1536, 100])
 def test_rms_norm_rows_never_mix_and_both_paths_agree(n, monkeypatch):
-    norm = layer_kernel.KernelRMSNorm(Norm(n), layer_kernel.library())
+    norm = layer_kernel.KernelRMSNorm(Norm(n), kernel_or_none())
     x = torch.randn(1, 17, n, generator=torch.Generator().manual_seed(n)) * 3
     together = norm(x)
     alone = torch.cat([norm(x[:, i:i + 1]) for i in range(17)], dim=1)
