@@ -11,7 +11,8 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   a shared machine moved every op (a 16-token prefill 72 ms in the ops, 50 in the runs);
 - runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
   request under every policy before the next), each checked token for token against the
-  greedy output; a run its siblings say was slowed is timed again (``profiler.run_noise``);
+  greedy output; every run and ops pass waits out a slow phase of the machine, and a run
+  its siblings say was slowed is timed again (``profiler.run_noise``);
 - decisions: the adaptive policy's decisions on that sample (``--policy rakv``).
 
 Every file's metadata holds the decision inputs (``rakv.settings.DecisionInputs``: the
@@ -33,7 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from profiler.hardware import hardware_fingerprint
-from profiler.run_noise import EngineSnapshot, NoiseGuard, SlowRuns, median_attempt, priced_s
+from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, median_attempt,
+                                priced_s)
 from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
                              TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
@@ -72,6 +74,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs-max-attempts", type=int, default=NoiseGuard.max_attempts,
                    help="attempts at a slowed run, the median kept; 1: never repeat "
                         f"(default: {NoiseGuard.max_attempts})")
+    p.add_argument("--runs-max-wait-s", type=float, default=NoiseGuard.max_wait_s,
+                   help="before each run and ops pass, wait up to this long while a probe (one forward of the "
+                        "target) is more than the noise tolerance slower than usual; 0: never probe "
+                        f"(default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
@@ -124,7 +130,7 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers,
               "linear_kernels": pair.linear_kernels, "weights": pair.weights}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("resume", "out", "skip", "flush_rows")}
+              if k not in ("resume", "out", "skip", "flush_rows", "runs_max_wait_s")}
     config["dtype"] = str(pair.target.dtype)
     config["grid_points"] = asdict(GRIDS[args.grid])
     config["recorded_max_k"] = RECORDED_MAX_K
@@ -229,7 +235,8 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                 progress, ops_pass: Callable[[int], None] | None = None) -> None:
     """Every policy on the sample, each in its own engine (so hits come from the sample's
     own earlier requests), in lockstep: each request under every policy before the next,
-    so drift in the machine's load falls on every policy alike. A run that its siblings
+    so drift in the machine's load falls on every policy alike. Every run and ops pass
+    first waits while a probe says the machine is in a slow phase; a run that its siblings
     say was slowed is timed again from the same state (``profiler.run_noise``). Each
     output is checked token for token against the greedy output. A resumed recording
     runs the recorded requests again (the engines' stores and the adaptive policy's
@@ -238,8 +245,9 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
     from rakv.controller import make_policy
     from rakv.engine import Engine
 
-    guard = NoiseGuard(args.runs_noise_tolerance, args.runs_max_attempts)
+    guard = NoiseGuard(args.runs_noise_tolerance, args.runs_max_attempts, args.runs_max_wait_s)
     slowed = SlowRuns(guard.tolerance)
+    speed = MachineSpeed(forward_probe(pair.target), guard.tolerance, guard.max_wait_s)
     sample = sample_requests(requests, args.runs_sample)
     done_runs = writer.existing_keys("runs")
     done_decisions = writer.existing_keys("decisions")
@@ -251,6 +259,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
 
     def passes_at(position: int) -> None:  # the ops passes that go before request ``position``
         for i in (i for i, start in enumerate(starts) if start == position):
+            speed.wait()
             ops_pass(i)
     for index, row in enumerate(sample):
         passes_at(index)
@@ -261,6 +270,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
         for name, engine in engines.items():
             snapshots[name] = EngineSnapshot(engine) if guarded else None
             decisions[name] = decision_before(engine, prompt, max_new)
+            speed.wait()
             results[name] = engine.generate(prompt, max_new)
             bar.update(1)
         ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
@@ -268,6 +278,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
             attempts = [results[name]]
             for _ in range(guard.max_attempts - 1):
                 snapshots[name].restore(engines[name])
+                speed.wait()
                 attempts.append(engines[name].generate(prompt, max_new))
             results[name] = median_attempt(attempts)
             num_repeated += 1
@@ -279,8 +290,8 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                 writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
     passes_at(len(sample))  # after the last
-    print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed",
-          file=sys.stderr)
+    print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed; "
+          f"{speed.summary()}", file=sys.stderr)
 
 
 def decision_before(engine, prompt: list[int], max_new: int):

@@ -11,6 +11,12 @@ more than ``tolerance`` above that is an outlier (noise only ever adds time). It
 again from a snapshot of its engine taken before it, up to ``max_attempts`` times in
 all, and the attempt with the median end-to-end time is kept.
 
+Siblings cannot tell a slow phase of the whole machine: a shared host runs for seconds
+to minutes at 1.3-1.5x its usual times (``smollm2-general-int8``'s first recording: whole
+requests' runs at 1.45x their op costs, their neighbours at 1.0), and every sibling timed
+in it is slowed alike. So before every run and every ops pass, ``MachineSpeed`` times a
+short probe (one forward of the target) and waits while it is slower than usual.
+
 Invariant: an engine's decisions are functions of the tokens and its settings, never of
 time, so every attempt makes the same decisions, rounds, output and store contents, and
 the engine after a repeat is the engine after the first attempt.
@@ -18,8 +24,10 @@ the engine after a repeat is the engine after the first attempt.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from statistics import median
+from typing import Callable
 
 from rakv.cost_model import PairTimings, round_s
 
@@ -28,11 +36,12 @@ from rakv.cost_model import PairTimings, round_s
 class NoiseGuard:
     tolerance: float = 0.15  # a run this much slower than its siblings' median, per priced second, is repeated
     max_attempts: int = 3  # attempts in all, the first included; 1: never repeat
+    max_wait_s: float = 120.0  # the longest wait for a slow machine before a timing; 0: never probe nor wait
 
     def __post_init__(self):
-        if self.tolerance <= 0 or self.max_attempts < 1:
-            raise ValueError(f"need a positive tolerance and at least 1 attempt, got {self.tolerance}, "
-                             f"{self.max_attempts}")
+        if self.tolerance <= 0 or self.max_attempts < 1 or self.max_wait_s < 0:
+            raise ValueError(f"need a positive tolerance, at least 1 attempt and a wait of 0 s or more, got "
+                             f"{self.tolerance}, {self.max_attempts}, {self.max_wait_s}")
 
 
 def priced_s(result, timings: PairTimings) -> float:
@@ -89,3 +98,74 @@ def median_attempt(attempts: list) -> object:
     """The attempt with the median end-to-end time (the lower middle of an even count)."""
     ordered = sorted(attempts, key=lambda r: r.e2e_s)
     return ordered[(len(ordered) - 1) // 2]
+
+
+class MachineSpeed:
+    """The machine's speed now against its usual, from ``probe`` (seconds of a fixed piece
+    of work), probed where a timing is about to start. Usual: the median of the first probe
+    before each timing (most fall in the usual phase, so a recording that starts in a slow
+    phase learns the usual one once it comes; a wait's own probes would drag it into the
+    phase waited out); nothing counts as slow before ``num_first`` timings. Slow:
+    two probes in a row more than ``tolerance`` above usual (the first after a run can be
+    cold: a small model's weights left the cache). A wait keeps probing, never sleeps: an
+    idle core comes back cold and slow, which a tiny model's probe reads as a slow phase."""
+
+    def __init__(self, probe: Callable[[], float], tolerance: float, max_wait_s: float, num_first: int = 5,
+                 clock: Callable[[], float] = time.monotonic):
+        self._probe, self._clock = probe, clock
+        self.tolerance, self.max_wait_s, self.num_first = tolerance, max_wait_s, num_first
+        self.probes_s: list[float] = []  # the first probe before each timing
+        self.waited_s = 0.0
+        self.num_waits = 0  # times the machine was found slow before timing
+        self.num_unsettled = 0  # waits that ran out with the machine still slow
+
+    def usual_s(self) -> float:
+        return median(self.probes_s)
+
+    def _probe_is_slow(self, first: bool) -> bool:
+        seconds = self._probe()
+        if first:
+            self.probes_s.append(seconds)
+        return len(self.probes_s) > self.num_first and seconds > self.usual_s() * (1 + self.tolerance)
+
+    def is_slow(self, first: bool = False) -> bool:
+        """Is the machine more than ``tolerance`` slower than usual now? ``first``: the first
+        look before a timing, which joins the usual's sample."""
+        return self._probe_is_slow(first) and self._probe_is_slow(False)
+
+    def wait(self) -> None:
+        """Returns once the machine is at its usual speed, or after ``max_wait_s`` (then the
+        timing goes ahead: the siblings' guard still sees a run slowed alone). With
+        ``max_wait_s`` 0 it returns at once, probing nothing."""
+        if not self.max_wait_s or not self.is_slow(first=True):
+            return
+        self.num_waits += 1
+        start = self._clock()
+        while self.is_slow():
+            if self._clock() - start >= self.max_wait_s:
+                self.num_unsettled += 1
+                break
+        self.waited_s += self._clock() - start
+
+    def summary(self) -> str:
+        if not self.max_wait_s:
+            return "the machine's speed was not probed"
+        return (f"the machine was slower than usual before {self.num_waits} timings: waited {self.waited_s:.0f} s"
+                + (f", {self.num_unsettled} times in vain" if self.num_unsettled else ""))
+
+
+def forward_probe(model, num_tokens: int = 8, min_s: float = 0.01) -> Callable[[], float]:
+    """Seconds per no-cache forward of ``num_tokens`` fixed tokens, over as many forwards as
+    fill ``min_s`` (a small model's millisecond is mostly timer noise): the same weights
+    streamed as in a decode step, so it slows as the runs do."""
+    import torch
+    ids = torch.arange(1, num_tokens + 1, device=model.device)[None]  # [1, num_tokens]
+
+    @torch.inference_mode()
+    def probe() -> float:
+        start, num_forwards = time.perf_counter(), 0
+        while (elapsed := time.perf_counter() - start) < min_s or not num_forwards:
+            model(input_ids=ids, use_cache=False)
+            num_forwards += 1
+        return elapsed / num_forwards
+    return probe

@@ -56,7 +56,7 @@ def trace(tmp_path_factory):
         patch.setattr(rakv.calibrate, "load_or_calibrate", lambda pair, refresh=False: CHEAP_DRAFT)
         out = directory / "trace"
         assert main(["--pair", "smollm2", "--workload", str(prompts), "--max-new-tokens", "16", "--runs-sample", "3",
-                     "--runs-max-new-tokens", "16", "--skip", "ops", "--out", str(out)]) == 0
+                     "--runs-max-new-tokens", "16", "--runs-max-wait-s", "0", "--skip", "ops", "--out", str(out)]) == 0
     return out
 
 

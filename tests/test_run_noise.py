@@ -1,10 +1,12 @@
 """The recorder's guard against a busy machine: which runs count as slowed, which attempt
-is kept, and that a snapshot restores an engine so a request runs again the same way."""
+is kept, how a slow phase of the whole machine is waited out, and that a snapshot restores an engine so a request runs again the same way."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from profiler.run_noise import EngineSnapshot, SlowRuns, median_attempt
+import pytest
+
+from profiler.run_noise import EngineSnapshot, MachineSpeed, SlowRuns, forward_probe, median_attempt
 
 
 def test_a_run_slower_than_its_siblings_is_picked_and_a_policy_priced_high_is_learned():
@@ -45,3 +47,61 @@ def test_a_snapshot_runs_a_request_again_from_the_same_engine_state(tiny_pair):
     assert (repeat.output_ids, repeat.rounds, repeat.action, repeat.hit_tokens) == (
         again.output_ids, again.rounds, again.action, again.hit_tokens)
     assert (engine.store.total_bytes, dict(engine.policy.acceptance), engine.num_requests) == after
+
+
+class FakeMachine:
+    """Probe times from a script, on a clock that only probing moves."""
+
+    def __init__(self, probes_s):
+        self.probes_s, self.now_s = list(probes_s), 0.0
+
+    def probe(self) -> float:
+        seconds = self.probes_s.pop(0)
+        self.now_s += seconds
+        return seconds
+
+
+def speed_of(machine: FakeMachine, **kwargs) -> MachineSpeed:
+    kwargs.setdefault("max_wait_s", 120.0)
+    return MachineSpeed(machine.probe, tolerance=0.15, clock=lambda: machine.now_s, **kwargs)
+
+
+def test_a_slow_phase_is_waited_out_and_the_usual_speed_is_the_median():
+    machine = FakeMachine([1.0, 1.02, 1.45, 1.0, 1.01,  # five before any wait: one in a slow phase
+                           1.1,  # within 15 % of usual: no wait
+                           1.5, 1.0,  # one slow probe alone is noise (a cold start): no wait
+                           1.45, 1.46,  # two in a row: slow, so probe on
+                           1.44, 1.47, 1.5, 1.03,  # still slow, then back: one fast probe ends the wait
+                           ])
+    speed = speed_of(machine)
+    for _ in range(5):
+        speed.wait()  # too few probes to judge
+    assert speed.usual_s() == 1.01
+    speed.wait()
+    speed.wait()
+    assert speed.num_waits == 0 and len(machine.probes_s) == 6
+    speed.wait()
+    assert speed.num_waits == 1 and speed.waited_s == pytest.approx(1.44 + 1.47 + 1.5 + 1.03)
+    assert speed.num_unsettled == 0 and machine.probes_s == []
+    assert speed.probes_s == [1.0, 1.02, 1.45, 1.0, 1.01, 1.1, 1.5, 1.45]  # each timing's first probe only
+
+
+def test_a_wait_gives_up_after_its_limit_and_says_so():
+    machine = FakeMachine([1.0] * 5 + [1.5] * 12)
+    speed = speed_of(machine, max_wait_s=5.0)
+    for _ in range(5):
+        speed.wait()
+    speed.wait()  # slow (2 probes), then 2 pairs of probes (6 s >= 5 s): timed anyway
+    assert speed.num_unsettled == 1 and len(machine.probes_s) == 12 - 6
+    assert "waited 6 s, 1 times in vain" in speed.summary()
+
+
+def test_the_forward_probe_times_a_forward(tiny_pair):
+    probe = forward_probe(tiny_pair.target)
+    assert 0 < probe() < 10
+
+
+def test_no_wait_allowed_means_no_probe():
+    speed = MachineSpeed(lambda: 1 / 0, tolerance=0.15, max_wait_s=0)
+    speed.wait()
+    assert speed.probes_s == [] and "not probed" in speed.summary()

@@ -30,7 +30,7 @@ SHIPPED_WITH_RUNS = sorted(p for p in (ROOT / "traces").iterdir()
 def trace(tmp_path_factory):
     out = tmp_path_factory.mktemp("sim") / "tiny"
     assert record(["--workload", "fixture-chat", "--runs-sample", "4", "--runs-max-new-tokens", "12",
-                   "--max-new-tokens", "16", "--out", str(out)]) == 0
+                   "--max-new-tokens", "16", "--runs-max-wait-s", "0", "--out", str(out)]) == 0
     return out
 
 
