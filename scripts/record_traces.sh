@@ -7,9 +7,9 @@
 # traces/.NAME.partial (profiler.record --resume continues it) and replaces traces/NAME
 # only when complete. Each recording runs one torch thread pinned to one core
 # (RAKV_CORE, default the last core); keep the machine quiet meanwhile: a recording made
-# beside other work is slower, and unevenly so, and its fit inherits the noise. The
-# command, wall time, size and load average of each finished recording are appended to
-# traces/RECORDINGS.md.
+# beside other work is slower, and unevenly so, and its fit inherits the noise. Each finished
+# recording's command, wall time, size, load average and noise guards' account (runs timed
+# again, waits for a slow machine) are appended to traces/RECORDINGS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -58,16 +58,21 @@ for entry in "${TRACES[@]}"; do
   (while sleep 30; do cut -d' ' -f1 /proc/loadavg >> "$loads"; done) &
   sampler=$!
   start=$(date +%s)
+  log="$(mktemp)"
   # shellcheck disable=SC2086  # $args is a list of words
-  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE" "$PY" -m profiler.record $args --out "$partial" "${resume[@]}"
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE" "$PY" -m profiler.record $args --out "$partial" "${resume[@]}" \
+    2> >(tee "$log" >&2)
   wall=$(($(date +%s) - start))
   kill "$sampler" 2>/dev/null || true
   load="$(awk '{s += $1; if ($1 > m) m = $1} END {if (NR) printf "mean %.2f, max %.2f", s / NR, m; else print "n/a"}' "$loads")"
-  rm -f "$loads"
+  # the noise guards' account: runs timed again, waits for a slow machine
+  guards="$(tr '\r' '\n' < "$log" | grep -m1 '^timed .* runs again' || true)"
+  [ -n "$guards" ] && load="$load; $guards"
+  rm -f "$loads" "$log"
   rm -rf "traces/$name"
   mv "$partial" "traces/$name"
   size="$(du -sh "traces/$name" | cut -f1)"
-  [ -f traces/RECORDINGS.md ] || printf '| trace | command | wall | size | load average (1 min) | recorded |\n|---|---|---|---|---|---|\n' > traces/RECORDINGS.md
+  [ -f traces/RECORDINGS.md ] || printf '| trace | command | wall | size | load average (1 min); noise guards | recorded |\n|---|---|---|---|---|---|\n' > traces/RECORDINGS.md
   printf '| `%s` | `python -m profiler.record %s` | %s s | %s | %s | %s, %s |\n' "$name" "$args" "$wall" "$size" \
     "$load" "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD 2>/dev/null || echo "a working tree")" >> traces/RECORDINGS.md
   echo "recorded $name in $wall s ($size, load $load)" >&2
