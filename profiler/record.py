@@ -11,7 +11,7 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   a shared machine moved every op (a 16-token prefill 72 ms in the ops, 50 in the runs);
 - runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
   request under every policy before the next), each checked token for token against the
-  greedy output; every run and ops pass waits out a slow phase of the machine, and a run
+  greedy output; every run and op waits out a slow phase of the machine, and a run
   its siblings say was slowed is timed again (``profiler.run_noise``);
 - decisions: the adaptive policy's decisions on that sample (``--policy rakv``).
 
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="attempts at a slowed run, the median kept; 1: never repeat "
                         f"(default: {NoiseGuard.max_attempts})")
     p.add_argument("--runs-max-wait-s", type=float, default=NoiseGuard.max_wait_s,
-                   help="before each run and ops pass, wait up to this long while a probe (one forward of the "
+                   help="before each run and op, wait up to this long while a probe (one forward of the "
                         "target) is more than the noise tolerance slower than usual; 0: never probe "
                         f"(default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
@@ -201,13 +201,18 @@ def record_requests(writer: TraceWriter, pair, workload, args, inputs: DecisionI
     return recorded
 
 
-def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None = None) -> None:
-    """The ops grid, or the given repeats of it (a pass); rows already written are skipped."""
+def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None = None,
+               wait: Callable[[], None] = lambda: None) -> None:
+    """The ops grid, or the given repeats of it (a pass); rows already written are skipped.
+    ``wait`` goes before each op (``MachineSpeed.wait``: a pass takes minutes, and a slow
+    phase within it would price the ops above the runs, which wait out every one)."""
     done = frozenset(writer.existing_keys("ops"))
-    rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats)
+    rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats)  # a generator: each op timed on next()
     desc = "ops" if repeats is None else f"ops pass {repeats.start + 1}/{GRIDS[args.grid].repeats}"
+    wait()
     for row in progress(rows, desc=desc, unit="op"):
         writer.append("ops", [row])
+        wait()
 
 
 def pass_starts(num_passes: int, num_rows: int) -> list[int]:
@@ -234,16 +239,17 @@ def run_policies(pair, args) -> list[str]:
 
 
 def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inputs: DecisionInputs, args,
-                progress, ops_pass: Callable[[int], None] | None = None) -> None:
+                progress, ops_pass: Callable[[int, Callable[[], None]], None] | None = None) -> None:
     """Every policy on the sample, each in its own engine (so hits come from the sample's
     own earlier requests), in lockstep: each request under every policy before the next,
-    so drift in the machine's load falls on every policy alike. Every run and ops pass
-    first waits while a probe says the machine is in a slow phase; a run that its siblings
+    so drift in the machine's load falls on every policy alike. Every run and op first
+    waits while a probe says the machine is in a slow phase; a run that its siblings
     say was slowed is timed again from the same state (``profiler.run_noise``). Each
     output is checked token for token against the greedy output. A resumed recording
     runs the recorded requests again (the engines' stores and the adaptive policy's
-    state need them) and writes only the missing rows. ``ops_pass(i)`` times the ops
-    grid's repeat i; the passes go at ``pass_starts``."""
+    state need them) and writes only the missing rows. ``ops_pass(i, wait)`` times the ops
+    grid's repeat i, waiting with the given callable before each op; the passes go at
+    ``pass_starts``."""
     from rakv.controller import make_policy
     from rakv.engine import Engine
 
@@ -261,8 +267,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
 
     def passes_at(position: int) -> None:  # the ops passes that go before request ``position``
         for i in (i for i, start in enumerate(starts) if start == position):
-            speed.wait()
-            ops_pass(i)
+            ops_pass(i, speed.wait)
     for index, row in enumerate(sample):
         passes_at(index)
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
@@ -350,7 +355,7 @@ def run(args) -> int:
         if timed and not with_runs:
             record_ops(writer, pair, args, progress)
         if with_runs:  # the ops' repeats in passes spread across the runs
-            ops_pass = (lambda i: record_ops(writer, pair, args, progress, range(i, i + 1))) if timed else None
+            ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) if timed else None
             record_runs(writer, pair, requests, inputs, args, progress, ops_pass)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

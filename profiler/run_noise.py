@@ -14,7 +14,7 @@ all, and the attempt with the median end-to-end time is kept.
 Siblings cannot tell a slow phase of the whole machine: a shared host runs for seconds
 to minutes at 1.3-1.5x its usual times (``smollm2-general-int8``'s first recording: whole
 requests' runs at 1.45x their op costs, their neighbours at 1.0), and every sibling timed
-in it is slowed alike. So before every run and every ops pass, ``MachineSpeed`` times a
+in it is slowed alike. So before every run and every op, ``MachineSpeed`` times a
 short probe (one forward of the target) and waits while it is slower than usual.
 
 Invariant: an engine's decisions are functions of the tokens and its settings, never of
