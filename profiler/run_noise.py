@@ -12,9 +12,9 @@ again from a snapshot of its engine taken before it, up to ``max_attempts`` time
 all, and the attempt with the median end-to-end time is kept.
 
 Siblings cannot tell a slow phase of the whole machine: a shared host runs for seconds
-to minutes at 1.3-1.5x its usual times (``smollm2-general-int8``'s first recording: whole
-requests' runs at 1.45x their op costs, their neighbours at 1.0), and every sibling timed
-in it is slowed alike. So before every run and every op, ``MachineSpeed`` times a
+to minutes at 1.3-1.5x its usual times (a 16-token prefill measured 66 and 132 ms in one
+recording's ops passes, docs/results.md section 2), and every sibling timed in it is
+slowed alike. So before every run and every op, ``MachineSpeed`` times a
 short probe (one forward of the target) and waits while it is slower than usual.
 
 Invariant: an engine's decisions are functions of the tokens and its settings, never of
