@@ -163,7 +163,8 @@ def check_vocabulary(workload, pair) -> None:
             raise WorkloadError(f"{where}: token id {max(request.prompt_ids)} is outside the vocabulary of {vocab}")
 
 
-def record_requests(writer: TraceWriter, pair, workload, args, inputs: DecisionInputs, progress) -> dict[int, RequestRow]:
+def record_requests(writer: TraceWriter, pair, workload, args, inputs: DecisionInputs,
+                    progress) -> dict[int, RequestRow]:
     """Greedy outputs, every drafter's run lengths and the draft's top-1 probabilities. The
     outputs come from the engine under the adaptive policy: the same tokens as plain greedy
     decoding (the runs check every one against them), sooner where a drafter agrees (Qwen
@@ -184,7 +185,7 @@ def record_requests(writer: TraceWriter, pair, workload, args, inputs: DecisionI
         max_new = min(request.max_new_tokens, args.max_new_tokens or request.max_new_tokens)
         prompt = prompt_ids(pair, request, max_new, recorded)
         output = list(engine.generate(prompt, max_new).output_ids)
-        ngram = ngram_run_lengths(prompt, output, RECORDED_MAX_K, ENGINE_CONFIG.ngram)
+        ngram = ngram_run_lengths(prompt, output, RECORDED_MAX_K, inputs.engine.ngram)
         runs = [DrafterRunLengths(NGRAM, RECORDED_MAX_K, ngram.runs, ngram.proposed)]
         probs = []
         if pair.draft is not None:
@@ -277,7 +278,8 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
         for name, engine in engines.items():
             snapshots[name] = EngineSnapshot(engine) if guarded else None
             decisions[name] = decision_before(engine, prompt, max_new)
-            speed.wait()
+            if (row.request_id, name) not in done_runs:  # a resumed recording's written runs are not timed
+                speed.wait()
             results[name] = engine.generate(prompt, max_new)
             bar.update(1)
         ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
@@ -355,7 +357,8 @@ def run(args) -> int:
         if timed and not with_runs:
             record_ops(writer, pair, args, progress)
         if with_runs:  # the ops' repeats in passes spread across the runs
-            ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) if timed else None
+            ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) \
+                if timed else None
             record_runs(writer, pair, requests, inputs, args, progress, ops_pass)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

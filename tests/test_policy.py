@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
     out = tmp_path_factory.mktemp("policy") / "tiny-chat"
-    assert record(["--workload", "chat", "--max-new-tokens", "10", "--runs-sample", "4", "--runs-max-new-tokens", "10", "--runs-max-wait-s", "0",
-                   "--out", str(out)]) == 0
+    assert record(["--workload", "chat", "--max-new-tokens", "10", "--runs-sample", "4", "--runs-max-new-tokens", "10",
+                   "--runs-max-wait-s", "0", "--out", str(out)]) == 0
     return out
 
 

@@ -25,8 +25,8 @@ from simulator.session import replay_runs, run_mismatch
 from simulator.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--pair", "tiny", "--workload", "fixture-chat", "--runs-sample", "3", "--runs-max-new-tokens", "12", "--runs-max-wait-s", "0",
-        "--max-new-tokens", "24"]
+FAST = ["--pair", "tiny", "--workload", "fixture-chat", "--runs-sample", "3", "--runs-max-new-tokens", "12",
+        "--runs-max-wait-s", "0", "--max-new-tokens", "24"]
 
 
 def rows(trace, table):
@@ -144,7 +144,8 @@ def test_user_workload_records_end_to_end(tmp_path):
                        '{"prompt_ids": [256, 85, 115, 101, 114], "group": "a", "arrival_s": 1.5, "max_new_tokens": 5}\n'
                        '\n{"prompt": "Another one", "arrival_s": 2}\n')
     out = tmp_path / "trace"
-    assert main(["--workload", str(prompts), "--runs-sample", "3", "--runs-max-new-tokens", "6", "--runs-max-wait-s", "0", "--out", str(out)]) == 0
+    assert main(["--workload", str(prompts), "--runs-sample", "3", "--runs-max-new-tokens", "6", "--runs-max-wait-s", "0",
+                 "--out", str(out)]) == 0
     requests = rows(out, "requests")
     assert [(r.group_id, r.turn, r.arrival_s, r.workload) for r in requests] == [
         ("a", 0, 0.0, "mine"), ("a", 1, 1.5, "mine"), ("line-4", 0, 2.0, "mine")]

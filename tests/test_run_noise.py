@@ -1,5 +1,6 @@
 """The recorder's guard against a busy machine: which runs count as slowed, which attempt
-is kept, how a slow phase of the whole machine is waited out, and that a snapshot restores an engine so a request runs again the same way."""
+is kept, how a slow phase of the whole machine is waited out, and that a snapshot restores
+an engine so a request runs again the same way."""
 from __future__ import annotations
 
 from types import SimpleNamespace
