@@ -22,7 +22,10 @@ as the engine did; ``--resume`` refuses to continue a recording whose inputs cha
 Rows go out in flushed part files, so Ctrl-C or a crash keeps what was written;
 ``--resume`` continues without duplicates; a finished recording is finalized atomically.
 With ``--random-weights`` only the ops table is recorded, for the real shapes (acceptance
-then comes from another trace of the same pair).
+then comes from another trace of the same pair). ``--skip ops runs --timing-trace NAME``
+records the acceptance facts alone, which do not depend on the machine's speed, and names
+the sibling trace that holds their timing: a Qwen recording of 100 requests takes an hour
+without timing and three with it, and only the timing needs a quiet machine.
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ from typing import Callable
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, median_attempt,
                                 priced_s)
-from profiler.schema import (META_DECISION_INPUTS, DecisionRow, DrafterRunLengths, RequestRow, RunRow, TraceError,
-                             TraceMeta, table_to_rows)
+from profiler.schema import (META_DECISION_INPUTS, META_TIMING_TRACE, DecisionRow, DrafterRunLengths, RequestRow,
+                             RunRow, TraceError, TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import add_precision_arguments, run_cli
@@ -81,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
+    p.add_argument("--timing-trace", metavar="NAME", default=None,
+                   help="with --skip ops runs: the trace beside this one (in the same directory) that holds "
+                        "its timing, ops and runs of the same pair on this machine; a replay then needs "
+                        "no --timing")
     p.add_argument("--random-weights", action="store_true", help="time the pair's real shapes with random weights (ops only)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--dtype", default=None, help="float32, float16, bfloat16, float64 (default: the pair's)")
@@ -130,11 +137,13 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers,
               "linear_kernels": pair.linear_kernels, "weights": pair.weights}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("resume", "out", "skip", "flush_rows", "runs_max_wait_s")}
+              if k not in ("resume", "out", "skip", "flush_rows", "runs_max_wait_s", "timing_trace")}
     config["dtype"] = str(pair.target.dtype)
     config["grid_points"] = asdict(GRIDS[args.grid])
     config["recorded_max_k"] = RECORDED_MAX_K
     config[META_DECISION_INPUTS] = settings_to_json(inputs)
+    if args.timing_trace is not None:
+        config[META_TIMING_TRACE] = args.timing_trace
     return TraceMeta(hardware=hardware_fingerprint(), models=models, config=config)
 
 
@@ -345,6 +354,8 @@ def run(args) -> int:
         return tqdm(items, file=sys.stderr, leave=False, **kwargs)
 
     start = time.perf_counter()
+    if args.timing_trace is not None and not {"ops", "runs"} <= set(args.skip):
+        raise ValueError("--timing-trace names the trace that holds this one's timing: record with --skip ops runs")
     pair, workload = load(args)
     inputs = decision_inputs(pair, args)
     name = Path(args.workload).stem if is_user_file(args.workload) else args.workload

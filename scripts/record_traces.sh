@@ -7,7 +7,9 @@
 # traces/.NAME.partial (profiler.record --resume continues it) and replaces traces/NAME
 # only when complete. Each recording runs one torch thread pinned to one core
 # (RAKV_CORE, default the last core); keep the machine quiet meanwhile: a recording made
-# beside other work is slower, and unevenly so, and its fit inherits the noise. Each finished
+# beside other work is slower, and unevenly so, and its fit inherits the noise. The Qwen
+# acceptance traces (--skip ops runs) hold no timing and name the -runs trace that does, so
+# they need no quiet machine and each recording fits in a working session. Each finished
 # recording's command, wall time, size, load average and noise guards' account (runs timed
 # again, waits for a slow machine) are appended to traces/RECORDINGS.md.
 set -euo pipefail
@@ -26,12 +28,13 @@ TRACES=(
   "smollm2-sharegpt|--pair smollm2 --workload sharegpt --requests 40 --max-new-tokens 32 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval-runs|--pair qwen-coder --workload humaneval --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval-int4|--pair qwen-coder --weights int4 --workload humaneval --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
-  "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
-  "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "qwen-coder-sharegpt-runs|--pair qwen-coder --workload sharegpt --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
+  "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
+  "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-sharegpt-runs"
 )
 
 if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-  sed -n 2,12p "$0" | sed 's/^# \{0,1\}//'
+  sed -n 2,14p "$0" | sed 's/^# \{0,1\}//'
   for entry in "${TRACES[@]}"; do echo "  ${entry%%|*}: python -m profiler.record ${entry#*|}"; done
   exit 0
 fi

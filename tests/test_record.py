@@ -170,6 +170,19 @@ def test_an_int8_recording_is_its_own_model_and_replays_exactly(trace, tmp_path)
         assert all(run_mismatch(run, replayed) is None for run, replayed in replay_runs(loaded, policy))
 
 
+def test_acceptance_alone_names_the_trace_that_holds_its_timing(trace, capsys):
+    """--skip ops runs --timing-trace NAME: the facts that need no quiet machine, replayed
+    with the sibling's timing and no --timing flag."""
+    from simulator.timing import load_timing
+    out = trace.parent / "tiny-acceptance"
+    assert main(FAST + ["--out", str(out), "--skip", "ops", "runs", "--timing-trace", trace.name]) == 0
+    assert rows(out, "ops") == [] and read_meta(out).config["timing_trace"] == trace.name
+    timing = load_timing(None, load_trace(out))
+    assert timing.source == trace.name and not timing.own
+    assert main(FAST + ["--out", str(trace.parent / "x"), "--timing-trace", trace.name]) == 2
+    assert "record with --skip ops runs" in capsys.readouterr().err
+
+
 def test_revision_turns_continue_the_models_own_answer(tmp_path):
     from profiler.prompt_texts import REVISE
     from rakv.models import load_pair
