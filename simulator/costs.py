@@ -117,6 +117,8 @@ def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
         if r.model == role and r.op in points:
             key = r.num_cached_tokens if r.op == "decode" else (r.num_new_tokens, r.num_cached_tokens)
             points[r.op][key].append(r.seconds)
+            if r.op == "prefill" and r.num_new_tokens == 1:  # the same call as a decode step after as many
+                points["decode"][r.num_cached_tokens].append(r.seconds)
     missing = [op for op, found in points.items() if not found]
     if missing:
         raise CostModelError(f"the ops table holds no {', '.join(missing)} timings of the {role} model")

@@ -142,11 +142,14 @@ def test_op_costs_interpolate_the_grid(trace):
     from rakv.op_timing import OpRow
     rows = [OpRow("target", "decode", 1, c, 0, 0, i, s) for c, s in ((16, 0.010), (256, 0.012), (1024, 0.020))
             for i in range(3)]
-    ops = [r for r in load_trace(trace).ops if (r.model, r.op) != ("target", "decode")]
-    decode = fit_op_costs(ops + rows).target.decode  # the medians of repeats
+    ops = [r for r in load_trace(trace).ops if r.model != "target" or r.op not in ("decode", "prefill")]
+    prefill = [OpRow("target", "prefill", n, 0, 0, 0, 0, 0.001 * n) for n in (1, 8)]
+    decode = fit_op_costs(ops + rows + prefill).target.decode  # the medians of repeats
     assert decode(16) == pytest.approx(0.010) and decode(136) == pytest.approx(0.011)
     assert decode(2048) == pytest.approx(0.020 + 1024 * 0.008 / 768)  # beyond: along the last segment
-    assert decode(0) >= 0
+    assert decode(0) == pytest.approx(0.001)  # a prefill of 1 token is the same call as a step
+    same = [OpRow("target", "prefill", 1, 256, 0, 0, i, 0.030) for i in range(4)]
+    assert fit_op_costs(ops + rows + prefill + same).target.decode(256) == pytest.approx(0.030)  # 7 samples pooled
 
 
 @pytest.mark.parametrize("argv, message", [
