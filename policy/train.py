@@ -1,7 +1,7 @@
 """``python -m policy.train``: fit, tune and export the learned round planner.
 
     python -m policy.train --trace traces/smollm2-chat traces/smollm2-humaneval --out policies/smollm2
-    python -m policy.train --trace traces/qwen-coder-humaneval traces/qwen-coder-humaneval-runs --out policies/qwen-coder
+    python -m policy.train --trace traces/qwen-coder-humaneval traces/qwen-coder-sharegpt --out policies/qwen-coder
     python -m policy.train ... --storage postgresql+psycopg://postgres@/optuna?host=/tmp/pg --study shared
 
 The decision points of every request are labelled with each drafter's run length
@@ -155,8 +155,9 @@ def trial_settings(trial) -> tuple[dict, int, ControllerConfig]:
 def controller_config(min_gain: float, draft_confidence: float) -> ControllerConfig:
     """The planner settings a trial tunes (on grids: each setting's first pass is collected
     once, however many trials draw it); the rest are today's defaults."""
-    base = ControllerConfig()
-    return replace(base, rounds=replace(base.rounds, min_gain=min_gain, draft_confidence=draft_confidence))
+    base = ControllerConfig()  # rounded: a grid step of 0.1 draws 0.30000000000000004, which settings print
+    return replace(base, rounds=replace(base.rounds, min_gain=round(min_gain, 6),
+                                        draft_confidence=round(draft_confidence, 6)))
 
 
 def objective(data: Data):
