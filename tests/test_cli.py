@@ -115,6 +115,15 @@ def test_subprocess_exit_code_and_no_traceback():
     assert "Traceback" not in proc.stderr
 
 
+def test_probe_bench_runs_on_the_tiny_pair(capsys):
+    """bench.probe times the same request again and again between probes: every output the
+    same, and the report names both spreads and their correlation."""
+    from bench.probe import main as probe
+    assert probe(["--pair", "tiny", "--seconds", "0.2", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "over the probes" in out and "correlation" in out and "checks failed 0" in out
+
+
 def test_assisted_bench_and_profile_run_on_the_tiny_pair(capsys):
     """The speculation bench's two modes, end to end on the tiny pair (one prose prompt):
     every config's output equals ar's, and the profile splits the time of both requests."""
