@@ -30,7 +30,7 @@ TRACES=(
   "qwen-coder-humaneval-int4|--pair qwen-coder --weights int4 --workload humaneval --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-sharegpt-runs|--pair qwen-coder --workload sharegpt --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
-  "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-sharegpt-runs"
+  "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
 )
 
 if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
