@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
 from profiler.hardware import hardware_fingerprint
-from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, median_attempt,
-                                priced_s)
+from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, mean_probe_s,
+                                median_attempt, priced_s)
 from profiler.schema import (META_DECISION_INPUTS, META_TIMING_TRACE, DecisionRow, DrafterRunLengths, RequestRow,
                              RunRow, TraceError, TraceMeta, table_to_rows)
 from profiler.trace_io import TraceWriter, read_table
@@ -80,8 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(default: {NoiseGuard.max_attempts})")
     p.add_argument("--runs-max-wait-s", type=float, default=NoiseGuard.max_wait_s,
                    help="before each run and op, wait up to this long while a probe (one forward of the "
-                        "target) is more than the noise tolerance slower than usual; 0: never probe "
-                        f"(default: {NoiseGuard.max_wait_s:g})")
+                        "target) is more than the noise tolerance slower than usual; each op and run is stored "
+                        "beside its probe's seconds (probe_s), which the simulator prices at the usual speed; "
+                        f"0: never probe (default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
@@ -213,17 +214,18 @@ def record_requests(writer: TraceWriter, pair, workload, args, inputs: DecisionI
 
 
 def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None = None,
-               wait: Callable[[], None] = lambda: None) -> None:
+               wait: Callable[[], float | None] = lambda: None) -> None:
     """The ops grid, or the given repeats of it (a pass); rows already written are skipped.
     ``wait`` goes before each op (``MachineSpeed.wait``: a pass takes minutes, and a slow
-    phase within it would price the ops above the runs, which wait out every one)."""
+    phase within it would price the ops above the runs, which wait out every one); what
+    it returns is the op's ``probe_s``."""
     done = frozenset(writer.existing_keys("ops"))
     rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats)  # a generator: each op timed on next()
     desc = "ops" if repeats is None else f"ops pass {repeats.start + 1}/{GRIDS[args.grid].repeats}"
-    wait()
+    probe_s = wait()
     for row in progress(rows, desc=desc, unit="op"):
-        writer.append("ops", [row])
-        wait()
+        writer.append("ops", [replace(row, probe_s=probe_s)])
+        probe_s = wait()
 
 
 def pass_starts(num_passes: int, num_rows: int) -> list[int]:
@@ -285,26 +287,31 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
         prompt = list(row.prompt_ids)
         guarded = guard.max_attempts > 1 and any((row.request_id, name) not in done_runs for name in engines)
         snapshots, results, decisions = {}, {}, {}
+
+        def timed(engine) -> tuple:  # (result, probe_s)
+            before = speed.wait()
+            result = engine.generate(prompt, max_new)
+            return result, mean_probe_s(before, speed.probe())
         for name, engine in engines.items():
             snapshots[name] = EngineSnapshot(engine) if guarded else None
             decisions[name] = decision_before(engine, prompt, max_new)
-            if (row.request_id, name) not in done_runs:  # a resumed recording's written runs are not timed
-                speed.wait()
-            results[name] = engine.generate(prompt, max_new)
+            if (row.request_id, name) not in done_runs:
+                results[name] = timed(engine)
+            else:  # a resumed recording's written runs are not timed
+                results[name] = engine.generate(prompt, max_new), None
             bar.update(1)
-        ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, r in results.items()}
+        ratios = {name: r.e2e_s / priced_s(r, inputs.timings) for name, (r, _) in results.items()}
         for name in slowed(ratios) if guarded else ():  # a resumed recording's rows are written
             attempts = [results[name]]
             for _ in range(guard.max_attempts - 1):
                 snapshots[name].restore(engines[name])
-                speed.wait()
-                attempts.append(engines[name].generate(prompt, max_new))
+                attempts.append(timed(engines[name]))
             results[name] = median_attempt(attempts)
             num_repeated += 1
         reference = list(row.output_ids[:max_new])
-        for name, result in results.items():
+        for name, (result, probe_s) in results.items():
             if (row.request_id, name) not in done_runs:
-                writer.append("runs", [run_row(row.request_id, name, max_new, result, reference)])
+                writer.append("runs", [run_row(row.request_id, name, max_new, result, reference, probe_s)])
             if decisions[name] is not None and (row.request_id, name) not in done_decisions:
                 writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
@@ -323,7 +330,8 @@ def decision_before(engine, prompt: list[int], max_new: int):
     return features, dict(engine.policy.acceptance), {a: c for c, a in engine.policy.rank(features)}
 
 
-def run_row(request_id: int, name: str, max_new: int, result, reference: list[int]) -> RunRow:
+def run_row(request_id: int, name: str, max_new: int, result, reference: list[int],
+            probe_s: float | None = None) -> RunRow:
     action = result.action
     return RunRow(
         request_id=request_id, policy=name, r=action.r, drafter=action.drafter, k=action.k,
@@ -333,7 +341,7 @@ def run_row(request_id: int, name: str, max_new: int, result, reference: list[in
         start_per_round=[r.start for r in result.rounds], drafter_per_round=[r.drafter for r in result.rounds],
         accepted_per_round=[r.accepted for r in result.rounds], k_per_round=[r.k for r in result.rounds],
         proposed_per_round=[r.num_proposed for r in result.rounds],
-        identical_to_ar=list(result.output_ids) == reference)
+        identical_to_ar=list(result.output_ids) == reference, probe_s=probe_s)
 
 
 def decision_row(request_id: int, name: str, decision, result) -> DecisionRow:

@@ -15,7 +15,10 @@ Siblings cannot tell a slow phase of the whole machine: a shared host runs for s
 to minutes at 1.3-1.5x its usual times (a 16-token prefill measured 66 and 132 ms in one
 recording's ops passes, docs/results.md section 2), and every sibling timed in it is
 slowed alike. So before every run and every op, ``MachineSpeed`` times a
-short probe (one forward of the target) and waits while it is slower than usual.
+short probe (one forward of the target) and waits while it is slower than usual. What
+a wait lets through, the probes still see (a phase 10 % slower is within the tolerance),
+so each timing is stored beside the probe's seconds (``probe_s``): the simulator prices
+ops and compares runs at the recording's usual speed (``simulator.costs.at_usual_speed``).
 
 Invariant: an engine's decisions are functions of the tokens and its settings, never of
 time, so every attempt makes the same decisions, rounds, output and store contents, and
@@ -94,10 +97,16 @@ class EngineSnapshot:
         engine.store.model, engine.policy, engine.num_requests = copy.deepcopy(self._state, dict(self._memo))
 
 
-def median_attempt(attempts: list) -> object:
-    """The attempt with the median end-to-end time (the lower middle of an even count)."""
-    ordered = sorted(attempts, key=lambda r: r.e2e_s)
+def median_attempt(attempts: list[tuple]) -> tuple:
+    """The (result, probe seconds) attempt whose result has the median end-to-end time (the
+    lower middle of an even count)."""
+    ordered = sorted(attempts, key=lambda a: a[0].e2e_s)
     return ordered[(len(ordered) - 1) // 2]
+
+
+def mean_probe_s(before: float | None, after: float | None) -> float | None:
+    """A run's ``probe_s``: the mean of the probes on either side of it, None if unprobed."""
+    return None if before is None or after is None else (before + after) / 2
 
 
 class MachineSpeed:
@@ -118,12 +127,21 @@ class MachineSpeed:
         self.waited_s = 0.0
         self.num_waits = 0  # times the machine was found slow before timing
         self.num_unsettled = 0  # waits that ran out with the machine still slow
+        self.last_s: float | None = None  # the latest probe's seconds
 
     def usual_s(self) -> float:
         return median(self.probes_s)
 
+    def probe(self) -> float | None:
+        """The machine's speed now (seconds of the probe), outside the usual's sample; None
+        when not probing (``max_wait_s`` 0)."""
+        if not self.max_wait_s:
+            return None
+        self.last_s = self._probe()
+        return self.last_s
+
     def _probe_is_slow(self, first: bool) -> bool:
-        seconds = self._probe()
+        seconds = self.last_s = self._probe()
         if first:
             self.probes_s.append(seconds)
         return len(self.probes_s) > self.num_first and seconds > self.usual_s() * (1 + self.tolerance)
@@ -133,12 +151,15 @@ class MachineSpeed:
         look before a timing, which joins the usual's sample."""
         return self._probe_is_slow(first) and self._probe_is_slow(False)
 
-    def wait(self) -> None:
+    def wait(self) -> float | None:
         """Returns once the machine is at its usual speed, or after ``max_wait_s`` (then the
-        timing goes ahead: the siblings' guard still sees a run slowed alone). With
-        ``max_wait_s`` 0 it returns at once, probing nothing."""
-        if not self.max_wait_s or not self.is_slow(first=True):
-            return
+        timing goes ahead: the siblings' guard still sees a run slowed alone), with the
+        last probe's seconds: the speed the timing starts at. With ``max_wait_s`` 0 it
+        returns None at once, probing nothing."""
+        if not self.max_wait_s:
+            return None
+        if not self.is_slow(first=True):
+            return self.last_s
         self.num_waits += 1
         start = self._clock()
         while self.is_slow():
@@ -146,6 +167,7 @@ class MachineSpeed:
                 self.num_unsettled += 1
                 break
         self.waited_s += self._clock() - start
+        return self.last_s
 
     def summary(self) -> str:
         if not self.max_wait_s:

@@ -20,9 +20,10 @@ Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (ma
 (``TraceMeta``); from 1.2, ``rakv.config`` holds under ``decision_inputs`` the
 ``rakv.settings.DecisionInputs`` the recording's engines decided with (its settings and
 its facts), and a trace without ops may name its timing trace (``META_TIMING_TRACE``).
-Readers accept any minor of their major that holds every column: a newer minor's extra
-columns are kept; a file that lacks one (an older engine's) is refused with a one-line
-error that says how to re-record it.
+Readers accept any minor of their major that holds every required column: a newer
+minor's extra columns are kept; a file that lacks one (an older engine's) is refused
+with a one-line error that says how to re-record it. An optional column (nullable: a
+measurement a recording may not take) that a file lacks reads as None.
 
 ``RequestRow``, ``OpRow``, ``RunRow``, ``DecisionRow``: frozen dataclasses whose fields are
 the columns, in order; ``rows_to_table`` / ``table_to_rows`` convert. Sequences are stored
@@ -42,8 +43,9 @@ from rakv.op_timing import OP_KEY_FIELDS, OpRow
 
 # 1.1: runs gained start_per_round and drafter_per_round. 1.2: requests gained
 # draft_top1_probs, runs max_new_tokens; the metadata holds the decision inputs
-# (META_DECISION_INPUTS) and run lengths reach 32.
-SCHEMA_VERSION = "1.2"
+# (META_DECISION_INPUTS) and run lengths reach 32. 1.3: ops and runs gained the optional
+# probe_s (the machine's speed beside each timing, ``profiler.run_noise.MachineSpeed``).
+SCHEMA_VERSION = "1.3"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -56,8 +58,11 @@ class TraceError(ValueError):
     """A trace that cannot be written or read as asked; the message is one line."""
 
 
-def _table_schema(*columns: tuple[str, pa.DataType]) -> pa.Schema:
-    return pa.schema([pa.field(name, dtype, nullable=False) for name, dtype in columns])
+def _table_schema(*columns: tuple[str, pa.DataType], optional: tuple[tuple[str, pa.DataType], ...] = ()
+                  ) -> pa.Schema:
+    """Required columns, then ``optional`` ones (nullable; None where a file lacks them)."""
+    return pa.schema([pa.field(name, dtype, nullable=False) for name, dtype in columns]
+                     + [pa.field(name, dtype, nullable=True) for name, dtype in optional])
 
 
 RUN_LENGTHS_TYPE = pa.list_(pa.struct([
@@ -66,6 +71,10 @@ RUN_LENGTHS_TYPE = pa.list_(pa.struct([
     pa.field("run_lengths", pa.list_(pa.int16()), nullable=False),
     pa.field("proposal_lengths", pa.list_(pa.int16()), nullable=False),
 ]))
+
+# Seconds of the machine-speed probe beside a timing: the one just before an op; for a
+# run, the mean of those just before and just after it. None: the recording did not probe.
+PROBE_COLUMN = ("probe_s", pa.float64())
 
 TABLES: dict[str, pa.Schema] = {
     "requests": _table_schema(
@@ -91,6 +100,7 @@ TABLES: dict[str, pa.Schema] = {
         ("num_bytes", pa.int64()),
         ("repeat", pa.int32()),
         ("seconds", pa.float64()),
+        optional=(PROBE_COLUMN,),
     ),
     "runs": _table_schema(
         ("request_id", pa.int64()),
@@ -112,6 +122,7 @@ TABLES: dict[str, pa.Schema] = {
         ("k_per_round", pa.list_(pa.int16())),
         ("proposed_per_round", pa.list_(pa.int16())),
         ("identical_to_ar", pa.bool_()),
+        optional=(PROBE_COLUMN,),
     ),
     "decisions": _table_schema(
         ("request_id", pa.int64()),
@@ -232,6 +243,7 @@ class RunRow:
     k_per_round: tuple[int, ...]
     proposed_per_round: tuple[int, ...]
     identical_to_ar: bool
+    probe_s: float | None = None  # PROBE_COLUMN
 
     def __post_init__(self):
         _freeze(self)
@@ -288,17 +300,19 @@ def rows_to_table(table: str, rows: Sequence) -> pa.Table:
             array = pa.array(values, type=f.type)
         except (pa.ArrowException, TypeError, ValueError) as exc:
             raise ValueError(f"table {table!r} column {f.name!r} ({f.type}): {exc}") from None
-        if array.null_count:
+        if array.null_count and not f.nullable:
             raise ValueError(f"table {table!r} column {f.name!r}: {array.null_count} missing values")
         arrays.append(array)
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
 def table_to_rows(table: str, data: pa.Table) -> list:
-    """The rows of ``data`` as ``ROW_TYPES[table]``; columns a newer minor version added are dropped."""
+    """The rows of ``data`` as ``ROW_TYPES[table]``; columns a newer minor version added are
+    dropped, optional ones ``data`` lacks take their field's default (None)."""
     check_table_name(table)
     row_type = ROW_TYPES[table]
-    return [row_type(**row) for row in data.select(TABLES[table].names).to_pylist()]
+    return [row_type(**row) for row in data.select([n for n in TABLES[table].names if n in data.column_names])
+            .to_pylist()]
 
 
 def check_schema_version(version: str | None) -> None:

@@ -102,12 +102,12 @@ def _open_file(path: Path, table: str | None) -> tuple[pq.ParquetFile, str]:
     if table is not None and stored != table:
         raise TraceError(f"{path}: holds table {stored!r}, expected {table!r}")
     schema = parquet.schema_arrow
-    missing = [f.name for f in TABLES[stored] if f.name not in schema.names]
+    missing = [f.name for f in TABLES[stored] if f.name not in schema.names and not f.nullable]
     if missing:
         version = metadata.get(META_SCHEMA_VERSION.encode(), b"?").decode()
         raise TraceError(f"{path}: table {stored!r} (schema {version}) lacks columns {', '.join(missing)}: "
                          f"recorded by an older engine; re-record it (bash scripts/record_traces.sh)")
-    for f in TABLES[stored]:
+    for f in (f for f in TABLES[stored] if f.name in schema.names):
         stored_type = schema.field(f.name).type
         if stored_type != f.type:
             raise TraceError(f"{path}: column {f.name!r} has type {stored_type}, expected {f.type}")

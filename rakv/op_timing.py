@@ -33,6 +33,7 @@ class OpRow:
     num_bytes: int
     repeat: int
     seconds: float
+    probe_s: float | None = None  # the machine's speed beside it (a recording's ``MachineSpeed``)
 
 
 @dataclass(frozen=True)

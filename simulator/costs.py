@@ -16,11 +16,17 @@ rounds it did not draft, several), its further steps and the target's verificati
 proposal (an empty prompt-lookup proposal is one plain step); finally the store's inserts.
 What the ops do not see (Python per request, per iteration and per round) is
 ``Overhead``, fitted from the runs table (``simulator.calibration``).
+
+A shared machine's speed drifts by tens of percent over minutes (one Qwen decode step
+took 211-317 ms in five ops passes), so a recording stores beside every op and run the
+seconds of a fixed probe (``probe_s``), and costs are priced at the recording's usual
+speed, the median probe beside its ops (``at_usual_speed``); a trace without probes is
+priced as timed.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Sequence
 
@@ -108,7 +114,20 @@ class OpCosts:
     insert: Curve  # (bytes kept)
     lookup: Curve  # (prompt tokens): one model's match in the store
     ngram: Curve  # (sequence tokens): one prompt-lookup match
+    usual_probe_s: float | None = None  # the speed these costs are at: the ops' median probe (None: unprobed)
     decode_memo: dict = field(default_factory=dict, compare=False, repr=False)  # request_cost's decode loops
+
+    def at_usual_speed(self, seconds: float, probe_s: float | None) -> float:
+        """``seconds`` timed beside a probe of ``probe_s`` (a run's), as at these costs' speed."""
+        return at_usual_speed(seconds, probe_s, self.usual_probe_s)
+
+
+def at_usual_speed(seconds: float, probe_s: float | None, usual_probe_s: float | None) -> float:
+    """``seconds`` scaled by how much faster than usual the probe beside them ran (a timing
+    slows as the probe does: both stream the same weights); as timed if either is unknown."""
+    if probe_s is None or usual_probe_s is None:
+        return seconds
+    return seconds * usual_probe_s / probe_s
 
 
 def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
@@ -140,14 +159,19 @@ def _store_curve(rows: list[OpRow], model: str, op: str, by_bytes: bool) -> Curv
 
 
 def fit_op_costs(ops: Sequence[OpRow]) -> OpCosts:
+    """The costs of ``ops`` at their usual speed (the module docstring)."""
     rows = list(ops)
     if not rows:
         raise CostModelError("the trace has no ops table rows: record it with ops, or give a timing trace")
+    probes = [r.probe_s for r in rows if r.probe_s is not None]
+    usual = median(probes) if probes else None
+    rows = [replace(r, seconds=at_usual_speed(r.seconds, r.probe_s, usual)) for r in rows]
     has_draft = any(r.model == DRAFT_MODEL for r in rows)
     return OpCosts(
         target=_model_costs(rows, "target"), draft=_model_costs(rows, DRAFT_MODEL) if has_draft else None,
         clone=_store_curve(rows, "store", "clone", True), insert=_store_curve(rows, "store", "insert", True),
-        lookup=_store_curve(rows, "store", "lookup", False), ngram=_store_curve(rows, NGRAM, "propose", False))
+        lookup=_store_curve(rows, "store", "lookup", False), ngram=_store_curve(rows, NGRAM, "propose", False),
+        usual_probe_s=usual)
 
 
 @dataclass(frozen=True)

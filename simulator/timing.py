@@ -68,13 +68,16 @@ def check_same_shapes(timing_meta: TraceMeta, trace_meta: TraceMeta, timing_path
 
 
 def overhead_samples(trace: Trace, costs: OpCosts) -> list[tuple[RunRow, OverheadSample]]:
-    """(run, its sample) for every recorded run of the trace, priced with zero overhead."""
+    """(run, its sample) for every recorded run of the trace, priced with zero overhead; its
+    measured times as at the costs' speed (``OpCosts.at_usual_speed``)."""
     inputs = trace.require_inputs()
     samples = []
     for policy in sorted({r.policy for r in trace.runs}):
         for run, replayed in replay_runs(trace, policy):
             cost = request_cost(replayed, len(trace.by_id[run.request_id].prompt_ids), costs, inputs)
-            samples.append((run, OverheadSample(cost, len(replayed.rounds), replayed.adaptive, run.ttft_s, run.e2e_s)))
+            samples.append((run, OverheadSample(cost, len(replayed.rounds), replayed.adaptive,
+                                                costs.at_usual_speed(run.ttft_s, run.probe_s),
+                                                costs.at_usual_speed(run.e2e_s, run.probe_s))))
     return samples
 
 

@@ -3,7 +3,9 @@
 Per policy: whether every replayed run's rounds (drafter, k, proposed, accepted), action,
 hit and output length equal the recorded ones (they must); the mean absolute percentage
 error of the simulated end-to-end time and time to first token against the measured
-ones; and, per request, the Spearman correlation between the policies' simulated and
+ones (as measured, and as at the recording's usual speed: each time scaled by its
+probe's, ``simulator.costs.at_usual_speed``, where the trace holds probes); and, per
+request, the Spearman correlation between the policies' simulated and
 measured times (does the simulator rank the actions as the machine did?).
 
 Runs replay under the settings the trace was recorded with (the runs ran under them).
@@ -39,8 +41,10 @@ SETTINGS = "as recorded"
 class PolicyFidelity:
     num_runs: int
     num_not_greedy: int  # runs whose output differed from the greedy output (none may)
-    e2e_mape: float  # fraction: 0.05 is 5 %
+    e2e_mape: float  # fraction: 0.05 is 5 %, against the times as measured
     ttft_mape: float
+    e2e_mape_usual_speed: float  # against the times as at the usual speed (= e2e_mape where unprobed)
+    ttft_mape_usual_speed: float
     round_mismatches: int  # runs whose replay differs from the recording in any way (run_mismatch)
     num_rounds: int
     rounds_off_min_k_mt: int  # recorded rounds whose (proposed, accepted) are not min(k, proposal_t), min(k, m_t)
@@ -55,7 +59,9 @@ class Fidelity:
     spearman: float  # mean over requests run under at least 3 policies
     num_requests: int
     first_mismatch: str | None
-    steadiness: Steadiness
+    steadiness: Steadiness  # as measured
+    probed: bool  # whether the runs and ops hold the machine's speed (probe_s)
+    steadiness_usual_speed: Steadiness  # the same at the usual speed
 
 
 @dataclass(frozen=True)
@@ -134,29 +140,42 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
                 cost = with_overhead(s.cost, overhead, s.num_rounds, s.adaptive)
                 predicted[policy, rid] = (cost.e2e_s, cost.ttft_s)
     policies = {}
+
+    def mape(pairs) -> float:  # (predicted, measured) seconds
+        return float(np.mean([abs(p - m) / m for p, m in pairs]))
     for policy in mismatches:
         mine = [r for r in runs if r.policy == policy]
-        e2e = [abs(predicted[policy, r.request_id][0] - r.e2e_s) / r.e2e_s for r in mine]
-        ttft = [abs(predicted[policy, r.request_id][1] - r.ttft_s) / r.ttft_s for r in mine]
-        policies[policy] = PolicyFidelity(len(mine), sum(not r.identical_to_ar for r in mine), float(np.mean(e2e)),
-                                          float(np.mean(ttft)), len(mismatches[policy]),
+        usual = [samples[policy, r.request_id] for r in mine]
+        policies[policy] = PolicyFidelity(len(mine), sum(not r.identical_to_ar for r in mine),
+                                          mape((predicted[policy, r.request_id][0], r.e2e_s) for r in mine),
+                                          mape((predicted[policy, r.request_id][1], r.ttft_s) for r in mine),
+                                          mape((predicted[policy, r.request_id][0], u.measured_e2e_s)
+                                               for r, u in zip(mine, usual)),
+                                          mape((predicted[policy, r.request_id][1], u.measured_ttft_s)
+                                               for r, u in zip(mine, usual)),
+                                          len(mismatches[policy]),
                                           sum(r.num_rounds for r in mine),
                                           sum(rounds_off_min_k_mt(r, trace.by_id[r.request_id]) for r in mine))
     correlations = []
     for request_id in sorted({r.request_id for r in runs}):
         mine = [r for r in runs if r.request_id == request_id]
         if len(mine) >= 3:
-            rho = spearman([predicted[r.policy, request_id][0] for r in mine], [r.e2e_s for r in mine])
+            rho = spearman([predicted[r.policy, request_id][0] for r in mine],
+                           [samples[r.policy, request_id].measured_e2e_s for r in mine])
             if not np.isnan(rho):
                 correlations.append(rho)
     first = next((m[0] for m in mismatches.values() if m), None)
     split = f"on {', '.join(Path(p).name for p in fit_on)} only" if fit_on else SPLIT
     ratios: dict[int, list[float]] = {}
+    usual_ratios: dict[int, list[float]] = {}
     for run in runs:
-        ratios.setdefault(run.request_id, []).append(run.e2e_s / samples[run.policy, run.request_id].cost.e2e_s)
+        sample = samples[run.policy, run.request_id]
+        ratios.setdefault(run.request_id, []).append(run.e2e_s / sample.cost.e2e_s)
+        usual_ratios.setdefault(run.request_id, []).append(sample.measured_e2e_s / sample.cost.e2e_s)
+    probed = costs.usual_probe_s is not None and any(r.probe_s is not None for r in runs)
     return Fidelity(Path(path).name, split, SETTINGS, policies,
                     float(np.mean(correlations)) if correlations else float("nan"),
-                    len({r.request_id for r in runs}), first, steadiness(ratios))
+                    len({r.request_id for r in runs}), first, steadiness(ratios), probed, steadiness(usual_ratios))
 
 
 def _samples_of(path: str | Path) -> list:
@@ -167,20 +186,27 @@ def _samples_of(path: str | Path) -> list:
 
 
 def markdown(fidelity: Fidelity) -> str:
+    usual = fidelity.probed  # columns at the usual speed only where the trace holds probes
     lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, settings {fidelity.settings}, overhead fitted "
-             f"{fidelity.split}; action-ranking Spearman {fidelity.spearman:.3f}", "",
-             "| policy | runs | runs not greedy | e2e MAPE | TTFT MAPE | replay mismatches | rounds "
-             "| rounds off min(k, m_t) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{fidelity.split}; action-ranking Spearman {fidelity.spearman:.3f}"
+             + ("; times also as at the recording's usual speed (scaled by their probes)" if usual else ""), "",
+             "| policy | runs | runs not greedy | e2e MAPE | TTFT MAPE | "
+             + ("e2e MAPE, usual speed | TTFT MAPE, usual speed | " if usual else "")
+             + "replay mismatches | rounds | rounds off min(k, m_t) |",
+             "|---|---|---|---|---|---|---|---|" + ("---|---|" if usual else "")]
     for name, p in fidelity.policies.items():
         lines.append(f"| {name} | {p.num_runs} | {p.num_not_greedy} | {100 * p.e2e_mape:.1f}% | "
                      f"{100 * p.ttft_mape:.1f}% | "
-                     f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
-    steady = fidelity.steadiness
-    lines += ["", f"machine steadiness (measured time over op costs): per-request median "
-                  f"{steady.request_median_low:.2f}-{steady.request_median_high:.2f}, within a request "
-                  f"{steady.within_request_spread:.2f}x (75th/25th percentile); a drifting or noisy machine "
-                  f"widens both, and no cost model follows it"]
+                     + (f"{100 * p.e2e_mape_usual_speed:.1f}% | {100 * p.ttft_mape_usual_speed:.1f}% | "
+                        if usual else "")
+                     + f"{p.round_mismatches} | {p.num_rounds} | {p.rounds_off_min_k_mt} |")
+    lines.append("")
+    for label, steady in [("", fidelity.steadiness)] + ([(" at the usual speed", fidelity.steadiness_usual_speed)]
+                                                        if usual else []):
+        lines.append(f"machine steadiness{label} (measured time over op costs): per-request median "
+                     f"{steady.request_median_low:.2f}-{steady.request_median_high:.2f}, within a request "
+                     f"{steady.within_request_spread:.2f}x (75th/25th percentile); a drifting or noisy machine "
+                     f"widens both, and no cost model follows it")
     if fidelity.first_mismatch:
         lines += ["", f"first mismatch: {fidelity.first_mismatch}"]
     return "\n".join(lines)

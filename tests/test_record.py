@@ -57,6 +57,7 @@ def test_tables_and_metadata(trace):
     assert all(d.max_k == 32 for r in requests for d in r.run_lengths)
     assert all(len(r.draft_top1_probs) == len(r.output_ids) and 0 < min(r.draft_top1_probs) <= 1 for r in requests)
     assert {r.max_new_tokens for r in rows(trace, "runs")} == {12}
+    assert {r.probe_s for table in ("ops", "runs") for r in rows(trace, table)} == {None}  # --runs-max-wait-s 0
     ops = {(r.model, r.op) for r in rows(trace, "ops")}
     assert {("target", "prefill"), ("target", "decode"), ("target", "verify"), ("draft", "verify"),
             ("store", "clone"), ("store", "lookup"), ("store", "insert"), ("ngram", "propose")} <= ops
@@ -144,8 +145,10 @@ def test_user_workload_records_end_to_end(tmp_path):
                        '{"prompt_ids": [256, 85, 115, 101, 114], "group": "a", "arrival_s": 1.5, "max_new_tokens": 5}\n'
                        '\n{"prompt": "Another one", "arrival_s": 2}\n')
     out = tmp_path / "trace"
-    assert main(["--workload", str(prompts), "--runs-sample", "3", "--runs-max-new-tokens", "6", "--runs-max-wait-s", "0",
+    assert main(["--workload", str(prompts), "--runs-sample", "3", "--runs-max-new-tokens", "6", "--runs-max-wait-s", "1",
                  "--out", str(out)]) == 0
+    # probing: every op and run stored beside the machine's speed then (the simulator's usual speed)
+    assert all(r.probe_s > 0 for table in ("ops", "runs") for r in rows(out, table))
     requests = rows(out, "requests")
     assert [(r.group_id, r.turn, r.arrival_s, r.workload) for r in requests] == [
         ("a", 0, 0.0, "mine"), ("a", 1, 1.5, "mine"), ("line-4", 0, 2.0, "mine")]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from profiler.run_noise import EngineSnapshot, MachineSpeed, SlowRuns, forward_probe, median_attempt
+from profiler.run_noise import EngineSnapshot, MachineSpeed, SlowRuns, forward_probe, mean_probe_s, median_attempt
 
 
 def test_a_run_slower_than_its_siblings_is_picked_and_a_policy_priced_high_is_learned():
@@ -25,10 +25,11 @@ def test_a_run_slower_than_its_siblings_is_picked_and_a_policy_priced_high_is_le
     assert slowed({"a": 1.0, "b": 1.0, "c": 1.0, "e": 1.6}) == ["e"]
 
 
-def test_the_median_attempt_is_kept():
-    attempts = [SimpleNamespace(e2e_s=s) for s in (3.0, 1.0, 2.0)]
-    assert median_attempt(attempts).e2e_s == 2.0
-    assert median_attempt(attempts[:2]).e2e_s == 1.0  # the lower middle of an even count
+def test_the_median_attempt_is_kept_with_its_probe():
+    attempts = [(SimpleNamespace(e2e_s=s), probe_s) for s, probe_s in ((3.0, 0.3), (1.0, 0.1), (2.0, 0.2))]
+    assert median_attempt(attempts)[0].e2e_s == 2.0 and median_attempt(attempts)[1] == 0.2
+    assert median_attempt(attempts[:2])[0].e2e_s == 1.0  # the lower middle of an even count
+    assert mean_probe_s(0.1, 0.3) == pytest.approx(0.2) and mean_probe_s(None, 0.3) is None
 
 
 def test_a_snapshot_runs_a_request_again_from_the_same_engine_state(tiny_pair):
@@ -78,10 +79,10 @@ def test_a_slow_phase_is_waited_out_and_the_usual_speed_is_the_median():
     for _ in range(5):
         speed.wait()  # too few probes to judge
     assert speed.usual_s() == 1.01
-    speed.wait()
+    assert speed.wait() == 1.1
     speed.wait()
     assert speed.num_waits == 0 and len(machine.probes_s) == 6
-    speed.wait()
+    assert speed.wait() == 1.03  # the speed the timing starts at: the probe that ended the wait
     assert speed.num_waits == 1 and speed.waited_s == pytest.approx(1.44 + 1.47 + 1.5 + 1.03)
     assert speed.num_unsettled == 0 and machine.probes_s == []
     assert speed.probes_s == [1.0, 1.02, 1.45, 1.0, 1.01, 1.1, 1.5, 1.45]  # each timing's first probe only
@@ -104,5 +105,13 @@ def test_the_forward_probe_times_a_forward(tiny_pair):
 
 def test_no_wait_allowed_means_no_probe():
     speed = MachineSpeed(lambda: 1 / 0, tolerance=0.15, max_wait_s=0)
-    speed.wait()
+    assert speed.wait() is None and speed.probe() is None  # nor is a run stored beside a probe
     assert speed.probes_s == [] and "not probed" in speed.summary()
+
+
+def test_a_probe_after_a_run_stays_out_of_the_usual():
+    machine = FakeMachine([1.0] * 5 + [2.0])
+    speed = speed_of(machine)
+    for _ in range(5):
+        speed.wait()
+    assert speed.probe() == 2.0 and speed.probes_s == [1.0] * 5

@@ -152,6 +152,22 @@ def test_op_costs_interpolate_the_grid(trace):
     assert fit_op_costs(ops + rows + prefill + same).target.decode(256) == pytest.approx(0.030)  # 7 samples pooled
 
 
+def test_ops_timed_beside_a_slow_probe_are_priced_at_the_usual_speed(trace):
+    from rakv.op_timing import OpRow
+    from simulator.costs import at_usual_speed
+    ops = [replace(r, probe_s=0.1) for r in load_trace(trace).ops if r.model != "target" or r.op != "decode"]
+    # the same step timed three times: twice at the usual speed, once while the probe ran 1.5x slower
+    decode = [OpRow("target", "decode", 1, 256, 0, 0, i, s, probe_s=p) for i, (s, p) in
+              enumerate(((0.010, 0.1), (0.011, 0.1), (0.015, 0.15)))]
+    costs = fit_op_costs(ops + decode)
+    assert costs.usual_probe_s == pytest.approx(0.1)
+    assert costs.target.decode(256) == pytest.approx(0.010)  # the median of 0.010, 0.011 and 0.015 / 1.5
+    assert costs.at_usual_speed(3.0, 0.15) == pytest.approx(2.0) and costs.at_usual_speed(3.0, None) == 3.0
+    assert at_usual_speed(3.0, 0.15, None) == 3.0  # a trace without probes is priced as timed
+    unprobed = fit_op_costs([replace(r, probe_s=None) for r in ops + decode])
+    assert unprobed.usual_probe_s is None and unprobed.target.decode(256) == pytest.approx(0.011)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--trace", "/nonexistent"], "no such trace"),
     (["--policy", "fastest"], "unknown policy 'fastest'"),

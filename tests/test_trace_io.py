@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -195,6 +196,22 @@ def test_older_engine_trace_is_refused_with_how_to_re_record(tmp_path):
         {**data.schema.metadata, b"rakv.schema_version": b"1.1"}), path)
     with pytest.raises(TraceError, match=r"\(schema 1\.1\) lacks columns draft_top1_probs: .*scripts/record_traces\.sh"):
         read_table(tmp_path, "requests")
+
+
+def test_an_optional_column_a_file_lacks_reads_as_none(tmp_path):
+    """The machine-speed probe (``probe_s``, 1.3) is a measurement a recording may not
+    take: a 1.2 file without it reads, as None, and a null is stored as null."""
+    path = _finalized_runs(tmp_path, n=3)
+    data = pq.read_table(path)
+    pq.write_table(data.drop_columns(["probe_s"]).replace_schema_metadata(
+        {**data.schema.metadata, b"rakv.schema_version": b"1.2"}), path)
+    assert [r.probe_s for r in table_to_rows("runs", read_table(tmp_path, "runs"))] == [None] * 3
+    probed = [replace(run_row(i), probe_s=0.25) for i in range(2)] + [run_row(2)]
+    with TraceWriter(tmp_path / "probed", META) as writer:
+        writer.append("runs", probed)
+    assert [r.probe_s for r in table_to_rows("runs", read_table(tmp_path / "probed", "runs"))] == [0.25, 0.25, None]
+    with pytest.raises(ValueError, match="column 'e2e_s'.*missing values"):  # a required column takes no null
+        rows_to_table("runs", [replace(run_row(0), e2e_s=None)])
 
 
 def test_newer_minor_version_with_extra_columns_is_accepted(tmp_path):
