@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -220,12 +220,10 @@ def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None 
     phase within it would price the ops above the runs, which wait out every one); what
     it returns is the op's ``probe_s``."""
     done = frozenset(writer.existing_keys("ops"))
-    rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats)  # a generator: each op timed on next()
+    rows = measure_pair(pair, GRIDS[args.grid], args.device, done, repeats, wait)  # each op timed on next()
     desc = "ops" if repeats is None else f"ops pass {repeats.start + 1}/{GRIDS[args.grid].repeats}"
-    probe_s = wait()
     for row in progress(rows, desc=desc, unit="op"):
-        writer.append("ops", [replace(row, probe_s=probe_s)])
-        probe_s = wait()
+        writer.append("ops", [row])
 
 
 def pass_starts(num_passes: int, num_rows: int) -> list[int]:

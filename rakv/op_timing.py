@@ -88,18 +88,20 @@ class PointTimer:
     point whose rows are all in ``done`` (the ops keys of a resumed recording) is not
     measured again."""
 
-    def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset(), repeats: range | None = None):
-        self.grid, self.timer, self.done = grid, timer, done
+    def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset(), repeats: range | None = None,
+                 before: Callable[[], float | None] = lambda: None):
+        self.grid, self.timer, self.done, self.before = grid, timer, done, before
         self.repeats = range(grid.repeats) if repeats is None else repeats
 
     def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
         keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in self.repeats]
         if all(key in self.done for key in keys):
             return
-        for _ in range(self.grid.warmup):
-            fn()
-        for repeat in self.repeats:
-            yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), **row)
+        for i, repeat in enumerate(self.repeats):
+            probe_s = self.before()
+            for _ in range(self.grid.warmup if i == 0 else 0):  # after the first probe: a wait leaves caches cold
+                fn()
+            yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), probe_s=probe_s, **row)
 
 
 def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0, num_bytes: int = 0) -> dict:
@@ -184,10 +186,13 @@ def measure_ngram(points: PointTimer, seed: int = 0) -> Iterator[OpRow]:
 
 
 def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = frozenset(),
-                 repeats: range | None = None) -> Iterator[OpRow]:
+                 repeats: range | None = None, before: Callable[[], float | None] = lambda: None
+                 ) -> Iterator[OpRow]:
     """Every op of the grid for the pair's target, its draft (if any), the store and ngram,
-    skipping the points whose rows are all in ``done``; only ``repeats`` if given."""
-    points = PointTimer(grid, OpTimer(device), done, repeats)
+    skipping the points whose rows are all in ``done``; only ``repeats`` if given.
+    ``before`` goes before each timed op (a recording's ``MachineSpeed.wait``); what it
+    returns is the row's ``probe_s``."""
+    points = PointTimer(grid, OpTimer(device), done, repeats, before)
     yield from measure_model(pair.target, "target", points, pair.max_positions)
     if pair.draft is not None:
         yield from measure_model(pair.draft, "draft", points, pair.max_positions)
