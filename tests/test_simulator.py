@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from profiler.record import main as record
@@ -104,6 +105,33 @@ def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
     assert set(report["policies"]["rakv"]) >= {"e2e_mape", "ttft_mape", "round_mismatches"} and "spearman" in report
     steady = fidelity.steadiness  # measured over op costs: around 1 on a steady machine
     assert 0.5 < steady.request_median_low <= steady.request_median_high < 2 and steady.within_request_spread >= 1
+
+
+def test_validate_at_the_usual_speed_sees_through_a_slow_phase_the_probes_saw(trace, tmp_path):
+    """The same trace, with one request's runs timed 1.5x slower beside probes 1.5x
+    slower: as measured its MAPE grows; at the usual speed it is the original's."""
+    import shutil
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    slowed = tmp_path / "slowed"
+    shutil.copytree(trace, slowed)
+    ops = pq.read_table(slowed / "ops.parquet")
+    ops = ops.set_column(ops.schema.get_field_index("probe_s"), "probe_s", pa.array([0.01] * ops.num_rows))
+    pq.write_table(ops, slowed / "ops.parquet")
+    runs = pq.read_table(slowed / "runs.parquet")
+    factor = np.where(runs.column("request_id").to_numpy() == runs.column("request_id")[0].as_py(), 1.5, 1.0)
+    for name, values in (("probe_s", 0.01 * factor), ("e2e_s", runs.column("e2e_s").to_numpy() * factor),
+                         ("ttft_s", runs.column("ttft_s").to_numpy() * factor)):
+        runs = runs.set_column(runs.schema.get_field_index(name), name, pa.array(values))
+    pq.write_table(runs, slowed / "runs.parquet")
+    before, after = validate(trace), validate(slowed)
+    assert not before.probed and after.probed
+    for name, p in after.policies.items():
+        assert p.e2e_mape_usual_speed == pytest.approx(before.policies[name].e2e_mape)
+        assert p.ttft_mape_usual_speed == pytest.approx(before.policies[name].ttft_mape)
+        assert before.policies[name].e2e_mape_usual_speed == before.policies[name].e2e_mape  # unprobed: as measured
+    assert np.mean([p.e2e_mape for p in after.policies.values()]) > np.mean(
+        [p.e2e_mape for p in before.policies.values()]) + 0.01
 
 
 def test_steadiness_separates_drift_between_requests_from_noise_within_one():
