@@ -54,8 +54,12 @@ CALIBRATION_GRID = OpGrid()
 # draft's catch-up on accepted tokens fall: there a forward's cost is a step function of
 # the rows (the int8/int4 kernel streams the weights once per tile of 12 rows; oneDNN has
 # its own blocks), and a line from 1 to 16 priced SmolLM2 int8's 17-18-token prefill at 14
-# ms where it takes 21, and float32's 4-token one at 34 ms where it takes 28.
-RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 64, 256, 512),
+# ms where it takes 21, and float32's 4-token one at 34 ms where it takes 28. Prompts of
+# 80-120 tokens (HumanEval's) fall between 64 and 256, where a line through those two
+# priced Qwen's prefill 2-15 % above its runs' (the 256-token forward, 9 MB of MLP
+# activations, slowed 15 % in two of five passes while the 64-token one did not): 96 and
+# 128 measure them.
+RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 64, 96, 128, 256, 512),
                         prefill_cached=(0, 256, 1024),
                         decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8, 12, 16),
                         verify_context=(128, 1024), store_tokens=(128, 1024),
