@@ -103,7 +103,7 @@ class PointTimer:
             return
         for i, repeat in enumerate(self.repeats):
             probe_s = self.before()
-            for _ in range(self.grid.warmup if i == 0 else 0):  # after the first probe: a wait leaves caches cold
+            for _ in range(self.grid.warmup if i == 0 else 0):  # after the probe: its wait leaves caches cold
                 fn()
             yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), probe_s=probe_s, **row)
 
