@@ -40,7 +40,7 @@ def cv(x: np.ndarray) -> float:
 
 
 def bench_probe(pair, seconds: float, max_new_tokens: int, checks: Checks) -> ProbeSection:
-    from profiler.run_noise import forward_probe
+    from profiler.run_noise import forward_probe, mean_probe_s
     probe = forward_probe(pair.target)
     prompt = pair.encode(PROMPT)
     reference = None
@@ -50,7 +50,7 @@ def bench_probe(pair, seconds: float, max_new_tokens: int, checks: Checks) -> Pr
         engine = fresh_engine(pair, "ar")  # a fresh store: every run the same work
         before = probe()
         result = engine.generate(prompt, max_new_tokens)
-        probes_s.append((before + probe()) / 2)
+        probes_s.append(mean_probe_s(before, probe()))  # as the recorder stores a run's probe
         runs_s.append(result.e2e_s)
         reference = reference or result.output_ids
         checks.expect(result.output_ids == reference, f"run {len(runs_s)}: another output")
