@@ -195,10 +195,15 @@ def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, t
     from rakv.engine import Engine
     loaded = load_trace(trace)
     calibrated = load_or_calibrate(tiny_pair)
-    # the tiny draft costs about what its target does, so whether a round pays turns on the
-    # machine's noise: price it at a tenth of the target's step here, on every machine
-    timings = replace(calibrated, draft=replace(calibrated.draft, step_fixed_s=calibrated.target.step_fixed_s / 10,
-                                                step_per_context_s=0.0))
+    # the tiny draft costs about what its target does, and a verify's price is each machine's
+    # calibration, so whether a round pays would turn on the machine: fix the prices, on every
+    # machine, to a step of 1 ms, a verify of any length at the price of a step (what a GPU
+    # sees) and a draft step at a tenth of it; then a round pays wherever P(m >= 1) > 0.1
+    step_s = 1e-3
+    timings = replace(calibrated,
+                      target=replace(calibrated.target, step_fixed_s=step_s, step_per_context_s=0.0, verify_fixed_s=0.0,
+                                     verify_per_token_s=0.0, verify_tokens=(), verify_extra_s=()),
+                      draft=replace(calibrated.draft, step_fixed_s=step_s / 10, step_per_context_s=0.0))
     engine = Engine(tiny_pair, _Drafting(load_policy(trained), timings), loaded.inputs.engine)
     inputs = replace(loaded.inputs.with_settings(Settings()), timings=timings)
     session = Session(_Drafting(load_policy(trained), timings), inputs, loaded.target_namespace,
@@ -212,7 +217,7 @@ def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, t
                                            replayed.rounds)
         assert recorded == ours
         drafted |= {(r[1], r[2]) for r in ours}
-    assert len(drafted) >= 4  # rounds of both drafters, of several lengths
+    assert len(drafted) >= 4, drafted  # rounds of both drafters, of several lengths
 
 
 def test_learned_policy_runs_live(trained, tiny_pair):
