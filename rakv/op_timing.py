@@ -58,8 +58,10 @@ CALIBRATION_GRID = OpGrid()
 # 80-120 tokens (HumanEval's) fall between 64 and 256, where a line through those two
 # priced Qwen's prefill 2-15 % above its runs' (the 256-token forward, 9 MB of MLP
 # activations, slowed 15 % in two of five passes while the 64-token one did not): 96 and
-# 128 measure them.
-RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 64, 96, 128, 256, 512),
+# 128 measure them. Between 128 and 256 (ShareGPT's turns, and prompts after a hit) the
+# cost per token is not one line either: Qwen's is about 11.4 ms up to 64 tokens and 14.3
+# on the way to 256, and the line priced 116-205-token prefills 5-10 % high; 160 and 192.
+RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 64, 96, 128, 160, 192, 256, 512),
                         prefill_cached=(0, 256, 1024),
                         decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8, 12, 16),
                         verify_context=(128, 1024), store_tokens=(128, 1024),

@@ -19,9 +19,15 @@ What the ops do not see (Python per request, per iteration and per round) is
 
 A shared machine's speed drifts by tens of percent over minutes (one Qwen decode step
 took 211-317 ms in five ops passes), so a recording stores beside every op and run the
-seconds of a fixed probe (``probe_s``), and costs are priced at the recording's usual
-speed, the median probe beside its ops (``at_usual_speed``); a trace without probes is
-priced as timed.
+seconds of a fixed probe (``probe_s``, one forward of one token of the target), and costs
+are priced at the recording's usual speed, the median probe beside its ops
+(``at_usual_speed``); a trace without probes is priced as timed. What a slow phase slows
+is what streams memory, as the probe does: each forward reads its weights and caches once,
+whatever its rows, and the store copies bytes. The arithmetic on a forward's rows it
+leaves alone: across five passes a 64- to 512-token Qwen prefill followed its probe with
+an elasticity of 0.0-0.3 (a decode step's: 0.8-1.0), so scaling a whole prefill by its
+probe priced Qwen's time to first token up to 18 % low after a slow probe. So of a forward
+of several rows only its one-row part is scaled (``OpCosts.streamed``).
 """
 from __future__ import annotations
 
@@ -91,6 +97,16 @@ def _surface(points: dict[tuple[float, float], list[float]]) -> Surface:
 
 
 @dataclass(frozen=True)
+class OneRow:
+    """A forward of any number of rows priced as one row after as many cached tokens."""
+
+    decode: Curve  # (cached tokens)
+
+    def __call__(self, num_tokens: float, num_cached: float) -> float:
+        return self.decode(num_cached)
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """One model's forward costs, seconds."""
 
@@ -100,6 +116,11 @@ class ModelCosts:
 
     def prefill_s(self, num_new: int, num_cached: int) -> float:
         return self.prefill(num_new, num_cached) if num_new > 0 else 0.0
+
+    def one_row(self) -> "ModelCosts":
+        """Every forward priced as one row at its context: the part of it that streams the
+        weights and the caches."""
+        return ModelCosts(OneRow(self.decode), self.decode, OneRow(self.decode))
 
     def forward_s(self, num_new: int, num_cached: int) -> float:
         """Feeding ``num_new`` tokens for the last one's logits: a step or a short prefill."""
@@ -117,17 +138,31 @@ class OpCosts:
     usual_probe_s: float | None = None  # the speed these costs are at: the ops' median probe (None: unprobed)
     decode_memo: dict = field(default_factory=dict, compare=False, repr=False)  # request_cost's decode loops
 
-    def at_usual_speed(self, seconds: float, probe_s: float | None) -> float:
-        """``seconds`` timed beside a probe of ``probe_s`` (a run's), as at these costs' speed."""
-        return at_usual_speed(seconds, probe_s, self.usual_probe_s)
+    def at_usual_speed(self, seconds: float, probe_s: float | None, streamed_s: float | None = None) -> float:
+        """``seconds`` timed beside a probe of ``probe_s`` (a run's), as at these costs' speed;
+        ``streamed_s``: the part of them that streams memory, at these costs (None: all)."""
+        return at_usual_speed(seconds, probe_s, self.usual_probe_s, streamed_s)
+
+    def streamed(self) -> "OpCosts":
+        """These costs with every forward priced as one row (``ModelCosts.one_row``): what
+        a request spends streaming memory. The store's copies are all streaming."""
+        return replace(self, target=self.target.one_row(), draft=self.draft.one_row() if self.draft else None,
+                       decode_memo={})
 
 
-def at_usual_speed(seconds: float, probe_s: float | None, usual_probe_s: float | None) -> float:
-    """``seconds`` scaled by how much faster than usual the probe beside them ran (a timing
-    slows as the probe does: both stream the same weights); as timed if either is unknown."""
+def at_usual_speed(seconds: float, probe_s: float | None, usual_probe_s: float | None,
+                   streamed_s: float | None = None) -> float:
+    """``seconds`` timed beside a probe of ``probe_s``, as at the probes' usual speed: their
+    streaming part, ``streamed_s`` seconds at the usual speed (None: all of them), took
+    probe_s / usual_probe_s times as long; the rest ran as fast as ever. Always between
+    ``seconds`` and ``seconds`` scaled whole; as timed if either probe is unknown."""
     if probe_s is None or usual_probe_s is None:
         return seconds
-    return seconds * usual_probe_s / probe_s
+    whole = seconds * usual_probe_s / probe_s
+    if streamed_s is None:
+        return whole
+    usual = seconds - streamed_s * (probe_s / usual_probe_s - 1.0)
+    return min(max(usual, min(seconds, whole)), max(seconds, whole))
 
 
 def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
@@ -165,13 +200,35 @@ def fit_op_costs(ops: Sequence[OpRow]) -> OpCosts:
         raise CostModelError("the trace has no ops table rows: record it with ops, or give a timing trace")
     probes = [r.probe_s for r in rows if r.probe_s is not None]
     usual = median(probes) if probes else None
-    rows = [replace(r, seconds=at_usual_speed(r.seconds, r.probe_s, usual)) for r in rows]
+    rows = _at_usual_speed(rows, usual)
     has_draft = any(r.model == DRAFT_MODEL for r in rows)
     return OpCosts(
         target=_model_costs(rows, "target"), draft=_model_costs(rows, DRAFT_MODEL) if has_draft else None,
         clone=_store_curve(rows, "store", "clone", True), insert=_store_curve(rows, "store", "insert", True),
         lookup=_store_curve(rows, "store", "lookup", False), ngram=_store_curve(rows, NGRAM, "propose", False),
         usual_probe_s=usual)
+
+
+def _one_row(r: OpRow) -> bool:
+    return r.op == "decode" or (r.op == "prefill" and r.num_new_tokens == 1)
+
+
+def _at_usual_speed(rows: list[OpRow], usual_probe_s: float | None) -> list[OpRow]:
+    """Each op's seconds at the usual speed: a one-row forward's and a store op's scaled
+    whole, a forward of several rows only in its one-row part at its context (the one-row
+    forwards' curve, at the usual speed)."""
+    if usual_probe_s is None:
+        return rows
+    one_row_points: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.model in ("target", DRAFT_MODEL) and _one_row(r):
+            one_row_points[r.model][r.num_cached_tokens].append(at_usual_speed(r.seconds, r.probe_s, usual_probe_s))
+    one_row = {model: _curve(points) for model, points in one_row_points.items()}
+
+    def streamed(r: OpRow) -> float | None:
+        several = r.model in one_row and r.op in ("prefill", "verify") and not _one_row(r)
+        return one_row[r.model](r.num_cached_tokens) if several else None
+    return [replace(r, seconds=at_usual_speed(r.seconds, r.probe_s, usual_probe_s, streamed(r))) for r in rows]
 
 
 @dataclass(frozen=True)

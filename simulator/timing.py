@@ -69,15 +69,19 @@ def check_same_shapes(timing_meta: TraceMeta, trace_meta: TraceMeta, timing_path
 
 def overhead_samples(trace: Trace, costs: OpCosts) -> list[tuple[RunRow, OverheadSample]]:
     """(run, its sample) for every recorded run of the trace, priced with zero overhead; its
-    measured times as at the costs' speed (``OpCosts.at_usual_speed``)."""
+    measured times as at the costs' speed (``OpCosts.at_usual_speed``: of a run, what its
+    forwards would take at one row each, and its store copies, are what a slow phase slowed)."""
     inputs = trace.require_inputs()
+    streamed = costs.streamed()
     samples = []
     for policy in sorted({r.policy for r in trace.runs}):
         for run, replayed in replay_runs(trace, policy):
-            cost = request_cost(replayed, len(trace.by_id[run.request_id].prompt_ids), costs, inputs)
+            num_prompt = len(trace.by_id[run.request_id].prompt_ids)
+            cost = request_cost(replayed, num_prompt, costs, inputs)
+            part = request_cost(replayed, num_prompt, streamed, inputs)  # what a slow phase slows
             samples.append((run, OverheadSample(cost, len(replayed.rounds), replayed.adaptive,
-                                                costs.at_usual_speed(run.ttft_s, run.probe_s),
-                                                costs.at_usual_speed(run.e2e_s, run.probe_s))))
+                                                costs.at_usual_speed(run.ttft_s, run.probe_s, part.ttft_s),
+                                                costs.at_usual_speed(run.e2e_s, run.probe_s, part.e2e_s))))
     return samples
 
 

@@ -108,20 +108,33 @@ def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
 
 
 def test_validate_at_the_usual_speed_sees_through_a_slow_phase_the_probes_saw(trace, tmp_path):
-    """The same trace, with one request's runs timed 1.5x slower beside probes 1.5x
-    slower: as measured its MAPE grows; at the usual speed it is the original's."""
+    """The same trace, with one request's runs timed beside probes 1.5x slower and their
+    streaming part (every forward at one row, the store's copies) 1.5x slower, the rest as
+    fast: as measured its MAPE grows; at the usual speed it is the original's."""
     import shutil
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from simulator.costs import request_cost
+    from simulator.session import replay_runs
     slowed = tmp_path / "slowed"
     shutil.copytree(trace, slowed)
     ops = pq.read_table(slowed / "ops.parquet")
     ops = ops.set_column(ops.schema.get_field_index("probe_s"), "probe_s", pa.array([0.01] * ops.num_rows))
     pq.write_table(ops, slowed / "ops.parquet")
+    loaded = load_trace(slowed)
+    streamed = fit_op_costs(loaded.ops).streamed()
+    part = {(run.policy, run.request_id): request_cost(replayed, len(loaded.by_id[run.request_id].prompt_ids),
+                                                       streamed, loaded.require_inputs())
+            for policy in {r.policy for r in loaded.runs} for run, replayed in replay_runs(loaded, policy)}
     runs = pq.read_table(slowed / "runs.parquet")
-    factor = np.where(runs.column("request_id").to_numpy() == runs.column("request_id")[0].as_py(), 1.5, 1.0)
-    for name, values in (("probe_s", 0.01 * factor), ("e2e_s", runs.column("e2e_s").to_numpy() * factor),
-                         ("ttft_s", runs.column("ttft_s").to_numpy() * factor)):
+    keys = list(zip(runs.column("policy").to_pylist(), runs.column("request_id").to_pylist()))
+    slow = runs.column("request_id").to_numpy() == runs.column("request_id")[0].as_py()
+    extra = np.where(slow, 0.5, 0.0)  # the streaming part (at most all of the run: the tiny
+    # model's op costs exceed some of its runs) takes 1.5x as long
+    e2e_s, ttft_s = runs.column("e2e_s").to_numpy(), runs.column("ttft_s").to_numpy()
+    for name, values in (("probe_s", 0.01 * (1 + extra)),
+                         ("e2e_s", e2e_s + extra * np.minimum([part[k].e2e_s for k in keys], e2e_s)),
+                         ("ttft_s", ttft_s + extra * np.minimum([part[k].ttft_s for k in keys], ttft_s))):
         runs = runs.set_column(runs.schema.get_field_index(name), name, pa.array(values))
     pq.write_table(runs, slowed / "runs.parquet")
     before, after = validate(trace), validate(slowed)
@@ -194,6 +207,25 @@ def test_ops_timed_beside_a_slow_probe_are_priced_at_the_usual_speed(trace):
     assert at_usual_speed(3.0, 0.15, None) == 3.0  # a trace without probes is priced as timed
     unprobed = fit_op_costs([replace(r, probe_s=None) for r in ops + decode])
     assert unprobed.usual_probe_s is None and unprobed.target.decode(256) == pytest.approx(0.011)
+
+
+def test_a_slow_phase_slows_a_forwards_streaming_not_its_rows(trace):
+    """Of a forward of many rows timed beside a slow probe, only its one-row part (the
+    weights and caches it streams) is scaled back; a store copy is all streaming."""
+    from rakv.op_timing import OpRow
+    from simulator.costs import at_usual_speed
+    ops = [replace(r, probe_s=0.1) for r in load_trace(trace).ops
+           if r.model != "target" or r.op not in ("decode", "prefill") or r.num_cached_tokens != 256]
+    decode = [OpRow("target", "decode", 1, 256, 0, 0, i, 0.010, probe_s=0.1) for i in range(3)]
+    prefill = [OpRow("target", "prefill", 64, 256, 0, 0, i, s, probe_s=p) for i, (s, p) in
+               enumerate(((0.200, 0.1), (0.200, 0.1), (0.205, 0.15), (0.205, 0.15), (0.205, 0.15)))]
+    costs = fit_op_costs(ops + decode + prefill)
+    assert costs.target.prefill(64, 256) == pytest.approx(0.200)  # 0.205 - 0.010 x 0.5: the median
+    assert costs.streamed().target.prefill(64, 256) == costs.streamed().target.verify(9, 256) == pytest.approx(0.010)
+    assert at_usual_speed(3.0, 0.15, 0.1, 0.6) == pytest.approx(2.7)  # 0.6 s streamed took 0.9
+    assert at_usual_speed(3.0, 0.15, 0.1, 5.0) == pytest.approx(2.0)  # never below the whole scaled
+    assert at_usual_speed(3.0, 0.05, 0.1, 0.3) == pytest.approx(3.15)  # a fast phase: 0.3 s streamed took 0.15
+    assert at_usual_speed(3.0, 0.05, 0.1, 10.0) == pytest.approx(6.0)  # never above the whole scaled
 
 
 @pytest.mark.parametrize("argv, message", [
