@@ -165,14 +165,19 @@ def at_usual_speed(seconds: float, probe_s: float | None, usual_probe_s: float |
     return min(max(usual, min(seconds, whole)), max(seconds, whole))
 
 
+def _one_row(r: OpRow) -> bool:
+    return r.op == "decode" or (r.op == "prefill" and r.num_new_tokens == 1)
+
+
 def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
     points: dict[str, dict] = {"prefill": defaultdict(list), "decode": defaultdict(list), "verify": defaultdict(list)}
     for r in rows:
-        if r.model == role and r.op in points:
-            key = r.num_cached_tokens if r.op == "decode" else (r.num_new_tokens, r.num_cached_tokens)
-            points[r.op][key].append(r.seconds)
-            if r.op == "prefill" and r.num_new_tokens == 1:  # the same call as a decode step after as many
-                points["decode"][r.num_cached_tokens].append(r.seconds)
+        if r.model != role:
+            continue
+        if r.op in ("prefill", "verify"):
+            points[r.op][r.num_new_tokens, r.num_cached_tokens].append(r.seconds)
+        if _one_row(r):  # a one-token prefill is the same call as a decode step after as many
+            points["decode"][r.num_cached_tokens].append(r.seconds)
     missing = [op for op, found in points.items() if not found]
     if missing:
         raise CostModelError(f"the ops table holds no {', '.join(missing)} timings of the {role} model")
@@ -207,10 +212,6 @@ def fit_op_costs(ops: Sequence[OpRow]) -> OpCosts:
         clone=_store_curve(rows, "store", "clone", True), insert=_store_curve(rows, "store", "insert", True),
         lookup=_store_curve(rows, "store", "lookup", False), ngram=_store_curve(rows, NGRAM, "propose", False),
         usual_probe_s=usual)
-
-
-def _one_row(r: OpRow) -> bool:
-    return r.op == "decode" or (r.op == "prefill" and r.num_new_tokens == 1)
 
 
 def _at_usual_speed(rows: list[OpRow], usual_probe_s: float | None) -> list[OpRow]:
