@@ -3,8 +3,8 @@
 Per policy: whether every replayed run's rounds (drafter, k, proposed, accepted), action,
 hit and output length equal the recorded ones (they must); the mean absolute percentage
 error of the simulated end-to-end time and time to first token against the measured
-ones (as measured, and as at the recording's usual speed: each time scaled by its
-probe's, ``simulator.costs.at_usual_speed``, where the trace holds probes); and, per
+ones (as measured, and as at the recording's usual speed: each time's streaming part
+scaled by its probe's, ``simulator.costs.at_usual_speed``, where the trace holds probes); and, per
 request, the Spearman correlation between the policies' simulated and
 measured times (does the simulator rank the actions as the machine did?).
 
@@ -189,7 +189,8 @@ def markdown(fidelity: Fidelity) -> str:
     usual = fidelity.probed  # columns at the usual speed only where the trace holds probes
     lines = [f"{fidelity.trace}: {fidelity.num_requests} requests, settings {fidelity.settings}, overhead fitted "
              f"{fidelity.split}; action-ranking Spearman {fidelity.spearman:.3f}"
-             + ("; times also as at the recording's usual speed (scaled by their probes)" if usual else ""), "",
+             + ("; times also as at the recording's usual speed (their streaming part scaled by their probes)"
+                if usual else ""), "",
              "| policy | runs | runs not greedy | e2e MAPE | TTFT MAPE | "
              + ("e2e MAPE, usual speed | TTFT MAPE, usual speed | " if usual else "")
              + "replay mismatches | rounds | rounds off min(k, m_t) |",
