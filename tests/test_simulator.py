@@ -114,18 +114,15 @@ def test_validate_at_the_usual_speed_sees_through_a_slow_phase_the_probes_saw(tr
     import shutil
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from simulator.costs import request_cost
-    from simulator.session import replay_runs
+    from simulator.timing import overhead_samples
     slowed = tmp_path / "slowed"
     shutil.copytree(trace, slowed)
     ops = pq.read_table(slowed / "ops.parquet")
     ops = ops.set_column(ops.schema.get_field_index("probe_s"), "probe_s", pa.array([0.01] * ops.num_rows))
     pq.write_table(ops, slowed / "ops.parquet")
-    loaded = load_trace(slowed)
-    streamed = fit_op_costs(loaded.ops).streamed()
-    part = {(run.policy, run.request_id): request_cost(replayed, len(loaded.by_id[run.request_id].prompt_ids),
-                                                       streamed, loaded.require_inputs())
-            for policy in {r.policy for r in loaded.runs} for run, replayed in replay_runs(loaded, policy)}
+    loaded = load_trace(slowed)  # each run priced at its streaming part: every forward at one row
+    part = {(run.policy, run.request_id): sample.cost
+            for run, sample in overhead_samples(loaded, fit_op_costs(loaded.ops).streamed())}
     runs = pq.read_table(slowed / "runs.parquet")
     keys = list(zip(runs.column("policy").to_pylist(), runs.column("request_id").to_pylist()))
     slow = runs.column("request_id").to_numpy() == runs.column("request_id")[0].as_py()
