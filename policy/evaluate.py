@@ -13,7 +13,9 @@ Reported (``Evaluation``):
 - ``paper_actions``: the paper's 12 actions (r in {0, 1}, k in {0, 1, 2, 4, 6, 8}, the
   draft model) ranked per request by the analytic cost model that makes the learned
   policy's request-level choice, against their replayed costs: Spearman, mean regret,
-  action accuracy, k accuracy and the MAPE of the predicted costs.
+  action accuracy, k accuracy, the MAPE of the predicted costs, and how much dearer the
+  runner-up is than the cheapest (``bench.paper_bound`` prices the same with each request's
+  own acceptance, known in hindsight).
 Imports no torch.
 """
 from __future__ import annotations
@@ -150,7 +152,8 @@ def markdown(e: Evaluation) -> str:
         p = e.paper_actions
         lines += ["", "paper's 12 actions (analytic request-level ranking): "
                   f"Spearman {p.spearman:.3f}, mean regret {p.mean_regret:.2%}, action accuracy "
-                  f"{p.action_accuracy:.1%}, k accuracy {p.k_accuracy:.1%}, MAPE {p.mape:.1%}"]
+                  f"{p.action_accuracy:.1%}, k accuracy {p.k_accuracy:.1%}, MAPE {p.mape:.1%}, "
+                  f"the runner-up {p.runner_up_gap:.1%} dearer than the cheapest (median)"]
     return "\n".join(lines)
 
 

@@ -7,9 +7,12 @@ store and the running acceptance estimates evolve as the best choices make them;
 each request the analytic cost model (``rakv.controller.CostModelPolicy.priced``, which
 makes the request-level choice of ``rakv`` and of the learned policy) prices the 12, and
 the oracle replays and prices them exactly (exact acceptance, the simulator's costs).
+``known_acceptance`` prices each request with an acceptance of its own instead of the
+running estimate: ``bench.paper_bound`` gives it the request's own, known in hindsight.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +24,7 @@ from rakv.settings import DecisionInputs
 from simulator.oracle import Oracle
 from simulator.schedule import schedule
 from simulator.timing import Timing
-from simulator.trace import Trace
+from simulator.trace import RecordedRequest, Trace
 from simulator.validate import spearman
 
 PAPER_ACTIONS = tuple(Action(r, k, DRAFT_MODEL) for r in R_CHOICES for k in K_CHOICES)
@@ -36,18 +39,25 @@ class PaperMetrics:
     action_accuracy: float  # the chosen action is a cheapest one
     k_accuracy: float  # the chosen k is a cheapest action's k
     mape: float  # of the predicted costs
+    runner_up_gap: float  # median over requests of the next dearer action's replayed cost over the cheapest's, minus one
 
 
-def paper_metrics(trace: Trace, timing: Timing, inputs: DecisionInputs) -> PaperMetrics:
+def paper_metrics(trace: Trace, timing: Timing, inputs: DecisionInputs,
+                  known_acceptance: Callable[[RecordedRequest], float] | None = None) -> PaperMetrics:
     oracle = Oracle(inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
     predicted: dict[int, np.ndarray] = {}
 
     def price(request, features) -> None:
+        estimates = oracle.policy.adaptive.acceptance
+        running = estimates[DRAFT_MODEL]
+        if known_acceptance is not None:
+            estimates[DRAFT_MODEL] = known_acceptance(request)
         cost_of = {action: cost for cost, _, _, action in oracle.policy.adaptive.priced(features)}
+        estimates[DRAFT_MODEL] = running  # the oracle's own rounds plan from the running estimate
         predicted[request.request_id] = np.array([cost_of[a] for a in PAPER_ACTIONS])
 
     oracle.before_pricing = price
-    ranks, regrets, hits, k_hits, errors = [], [], [], [], []
+    ranks, regrets, hits, k_hits, errors, gaps = [], [], [], [], [], []
     for arrival in schedule(trace):
         request = arrival.request
         oracle.run(request, request.max_new_tokens)
@@ -63,5 +73,9 @@ def paper_metrics(trace: Trace, timing: Timing, inputs: DecisionInputs) -> Paper
         hits.append(bool(best[chosen]))
         k_hits.append(PAPER_ACTIONS[chosen].k in {a.k for a, b in zip(PAPER_ACTIONS, best) if b})
         errors.extend(np.abs(guess - true) / true)
+        dearer = true[~best]
+        if dearer.size:
+            gaps.append(dearer.min() / true.min() - 1)
     return PaperMetrics(len(regrets), float(np.mean(ranks)) if ranks else float("nan"), float(np.mean(regrets)),
-                        float(np.mean(hits)), float(np.mean(k_hits)), float(np.mean(errors)))
+                        float(np.mean(hits)), float(np.mean(k_hits)), float(np.mean(errors)),
+                        float(np.median(gaps)) if gaps else float("nan"))

@@ -3,6 +3,7 @@ shared by two workers through PostgreSQL, export and loading (never a pickle), t
 learned policy live in the engine and in the simulator, one-line errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -237,6 +238,20 @@ def test_evaluate_reports_every_metric(trained, trace, capsys):
     for p in report["prediction"].values():
         assert {"auc", "brier", "ewma_auc", "ewma_brier"} <= set(p)
     assert {"spearman", "mean_regret", "action_accuracy", "k_accuracy", "mape"} <= set(report["paper_actions"])
+
+
+def test_paper_bound_prices_each_request_with_its_own_acceptance(trace, capsys):
+    from bench.paper_bound import ESTIMATES, main as bound_main
+    from policy.paper_actions import paper_metrics
+    loaded = load_trace(trace)
+    timing = load_timing(None, loaded)
+    inputs = timing.decision_inputs(loaded, Settings())
+    assert bound_main(["--trace", str(trace), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)[trace.name]
+    assert set(found) == set(ESTIMATES)
+    for m in found.values():
+        assert m["num_requests"] == len(loaded.requests) and m["mean_regret"] >= 0 and 0 <= m["action_accuracy"] <= 1
+    assert found["running estimate"] == dataclasses.asdict(paper_metrics(loaded, timing, inputs))
 
 
 def _head(policy_dir: Path) -> Path:
