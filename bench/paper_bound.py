@@ -26,29 +26,27 @@ TRACES = Path(__file__).resolve().parents[1] / "traces"
 DEFAULT_TRACES = (TRACES / "qwen-coder-humaneval", TRACES / "qwen-coder-sharegpt")
 
 
-def first_token_rate(request) -> float:
+def draft_runs(request) -> np.ndarray:
+    """The draft model's run length m_t at every output position: [num_output]."""
     from rakv.drafters import DRAFT_MODEL
-    runs = np.asarray(request.lengths[DRAFT_MODEL].runs[:len(request.output_ids)])  # [num_output]
-    return float((runs >= 1).mean())
+    return np.asarray(request.lengths[DRAFT_MODEL].runs[:len(request.output_ids)])
+
+
+def first_token_rate(request) -> float:
+    return float((draft_runs(request) >= 1).mean())
 
 
 def geometric_rate(request) -> float:
     """ML per-token rate of a geometric run length capped at the request's max_k: each
     accepted token is a success, each run that stops below the cap one failure."""
-    from rakv.drafters import DRAFT_MODEL
-    runs = np.asarray(request.lengths[DRAFT_MODEL].runs[:len(request.output_ids)])  # [num_output]
+    runs = draft_runs(request)
     return float(runs.sum() / max(runs.sum() + (runs < request.max_k).sum(), 1))
 
 
 ESTIMATES = {"running estimate": None, "own, first token": first_token_rate, "own, geometric": geometric_rate}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.paper_bound", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, nargs="+", default=DEFAULT_TRACES)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
-
+def run(args: argparse.Namespace) -> int:
     from policy.paper_actions import paper_metrics
     from rakv.settings import Settings
     from simulator.timing import load_timing
@@ -59,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         timing = load_timing(None, trace)
         inputs = timing.decision_inputs(trace, Settings())
         if inputs.draft_sizes is None:
-            print(f"error: {path} has no draft model: the paper's actions draft with one", file=sys.stderr)
-            return 2
+            raise ValueError(f"{path} has no draft model: the paper's actions draft with one")
         results[path.name] = {name: asdict(paper_metrics(trace, timing, inputs, known))
                               for name, known in ESTIMATES.items()}
     if args.json:
@@ -75,6 +72,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"| {100 * m['action_accuracy']:.0f} % | {100 * m['k_accuracy']:.0f} % | {100 * m['runner_up_gap']:.2f} % |")
     print("| the paper | | | 0.780 | 0.32 % | 83.3 % | 100 % | |")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.paper_bound", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", type=Path, nargs="+", default=DEFAULT_TRACES,
+                   help="traces with a draft model (default: the two Qwen acceptance traces)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    from profiler.schema import TraceError
+    from rakv.cli import run_cli
+    from simulator.costs import CostModelError
+    return run_cli(run, p.parse_args(argv), (ValueError, TraceError, CostModelError, OSError))
 
 
 if __name__ == "__main__":

@@ -251,7 +251,11 @@ def test_paper_bound_prices_each_request_with_its_own_acceptance(trace, capsys):
     assert set(found) == set(ESTIMATES)
     for m in found.values():
         assert m["num_requests"] == len(loaded.requests) and m["mean_regret"] >= 0 and 0 <= m["action_accuracy"] <= 1
-    assert found["running estimate"] == dataclasses.asdict(paper_metrics(loaded, timing, inputs))
+    assert found["running estimate"] == pytest.approx(dataclasses.asdict(paper_metrics(loaded, timing, inputs)),
+                                                      nan_ok=True)
+    asked = []
+    paper_metrics(loaded, timing, inputs, lambda request: asked.append(request.request_id) or 0.5)
+    assert sorted(asked) == sorted(r.request_id for r in loaded.requests)  # once per request, before it runs
 
 
 def _head(policy_dir: Path) -> Path:
