@@ -22,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from rakv.drafters import DRAFT_MODEL  # torch-free
+
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 DEFAULT_TRACES = (TRACES / "qwen-coder-humaneval", TRACES / "qwen-coder-sharegpt")
 
 
 def draft_runs(request) -> np.ndarray:
     """The draft model's run length m_t at every output position: [num_output]."""
-    from rakv.drafters import DRAFT_MODEL
     return np.asarray(request.lengths[DRAFT_MODEL].runs[:len(request.output_ids)])
 
 

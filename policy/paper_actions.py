@@ -48,12 +48,10 @@ def paper_metrics(trace: Trace, timing: Timing, inputs: DecisionInputs,
     predicted: dict[int, np.ndarray] = {}
 
     def price(request, features) -> None:
-        estimates = oracle.policy.adaptive.acceptance
-        running = estimates[DRAFT_MODEL]
-        if known_acceptance is not None:
-            estimates[DRAFT_MODEL] = known_acceptance(request)
-        cost_of = {action: cost for cost, _, _, action in oracle.policy.adaptive.priced(features)}
-        estimates[DRAFT_MODEL] = running  # the oracle's own rounds plan from the running estimate
+        adaptive = oracle.policy.adaptive  # its running estimates also plan the oracle's own rounds: left as they are
+        acceptance = None if known_acceptance is None else {**adaptive.acceptance,
+                                                             DRAFT_MODEL: known_acceptance(request)}
+        cost_of = {action: cost for cost, _, _, action in adaptive.priced(features, acceptance)}
         predicted[request.request_id] = np.array([cost_of[a] for a in PAPER_ACTIONS])
 
     oracle.before_pricing = price

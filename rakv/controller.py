@@ -122,8 +122,10 @@ class CostModelPolicy:
         tokens, then no reuse)."""
         return [(cost, action) for cost, _, _, action in sorted(self.priced(features))]
 
-    def priced(self, features: RequestFeatures) -> list[tuple[float, int, int, Action]]:
-        """(predicted seconds, k, r, action) of every feasible action: the least is chosen."""
+    def priced(self, features: RequestFeatures,
+               acceptance: dict[str, float] | None = None) -> list[tuple[float, int, int, Action]]:
+        """(predicted seconds, k, r, action) of every feasible action: the least is chosen.
+        ``acceptance`` prices under other per-drafter estimates than the running ones."""
         limit = self.config.memory_limit_bytes
         actions = self.actions if limit is None else [
             a for a in self.actions if action_bytes(a, features, self.timings) <= limit]
@@ -132,7 +134,8 @@ class CostModelPolicy:
                 f"no action fits the memory limit of {limit} bytes for a "
                 f"{features.num_prompt_tokens}-token prompt")
         rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
-        costs = action_costs_s(actions, features, self.acceptance, self.timings, rounds)
+        costs = action_costs_s(actions, features, self.acceptance if acceptance is None else acceptance,
+                               self.timings, rounds)
         return [(cost, a.k, a.r, a) for cost, a in zip(costs, actions)]
 
     def planner(self, features: RequestFeatures, action: Action) -> AdaptiveRounds:
