@@ -117,6 +117,7 @@ class Run:
     text: str
     num_prompt_tokens: int
     prompt_s: float
+    system_info: str = ""  # llama.cpp's line of the CPU features its build uses
 
 
 def _timing_s(pattern: str, log: str) -> float:
@@ -160,7 +161,8 @@ def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_toke
         num_tokens = int(decoded[-1][0])
         at = done.stdout.find(prompt)
         text = done.stdout[at + len(prompt):] if at >= 0 else done.stdout
-    return Run(num_tokens, seconds, text, num_prompt_tokens, prompt_s)
+    info = re.findall(r"system_info:(.*)", log)
+    return Run(num_tokens, seconds, text, num_prompt_tokens, prompt_s, info[-1].strip() if info else "")
 
 
 def engine_run(engine, prompt_ids: list[int], num_tokens: int, pair) -> Run:
@@ -191,7 +193,7 @@ def bench(args) -> int:
     torch.set_num_threads(1)
     from bench.assisted import workloads
     from bench.harness import fresh_engine
-    from rakv import model_files
+    from rakv import kernels, model_files
     from rakv.calibrate import load_or_calibrate
     from rakv.models import load_pair
     missing = [name for name in BINARIES if not binary(name).is_file()]
@@ -219,7 +221,7 @@ def bench(args) -> int:
     tallies = {workload: Tally() for workload in prompts}
     exact = {name: 0 for name in llama if name != "llama.cpp greedy"}
     engine_exact = {name: 0 for name in engines}  # outputs equal to the target mode's ``ar`` output
-    start = time.perf_counter()
+    start, llama_info = time.perf_counter(), ""
     for workload, prompt_list in prompts.items():
         for i, ids in enumerate(prompt_list):
             text = pairs[modes[0]].decode(ids)
@@ -227,7 +229,7 @@ def bench(args) -> int:
             for name, (tool, drafter, extra) in llama.items():
                 run = llama_run(tool, target, drafter, text, args.max_new_tokens, extra)
                 if greedy is None:  # the first is plain greedy, the reference
-                    greedy = run.text
+                    greedy, llama_info = run.text, run.system_info
                 else:  # a speculative tool may run past -n: its output must start with greedy's
                     exact[name] += run.text.strip().startswith(greedy.strip())
                 tallies[workload].add(name, run)
@@ -242,6 +244,9 @@ def bench(args) -> int:
                   file=sys.stderr)
     num_prompts = sum(map(len, prompts.values()))
     print(f"{args.pair}, {args.max_new_tokens} new tokens, one thread, lockstep; tok/s with the prompt included")
+    print(f"kernel paths: this engine's quantized modes {kernels.path_here()} (the CPU's fastest: "
+          f"{kernels.PATHS[kernels.cpu_path()]}), its fp32 torch {torch.backends.cpu.get_cpu_capability()}; "
+          f"llama.cpp {llama_info or '(printed no system_info)'}")
     for workload, tally in tallies.items():
         plain = tally.tokens_per_s("llama.cpp greedy")
         best_spec = max([n for n in llama if n != "llama.cpp greedy"] or ["llama.cpp greedy"], key=tally.tokens_per_s)

@@ -53,13 +53,16 @@ def cached(model, num_context: int):
     return cache
 
 
-def lockstep_ms(models: dict, caches: dict, num_context: int, repeat: int) -> dict[tuple, float]:
+def lockstep_ms(models: dict, caches: dict, num_context: int, repeat: int,
+                before=lambda name: None) -> dict[tuple, float]:
     """(name, T) -> median ms of a forward over T tokens after ``num_context`` cached, the
-    models alternating for each T (lockstep: the machine's drift falls on all alike)."""
+    models alternating for each T (lockstep: the machine's drift falls on all alike);
+    ``before(name)`` runs before each of name's forwards."""
     times = {(name, t): [] for name in models for t in TOKENS}
     for _ in range(repeat):
         for t in TOKENS:
             for name, model in models.items():
+                before(name)
                 times[name, t].append(forward_ms(model, caches[name], num_context, t))
     return {key: statistics.median(v) for key, v in times.items()}
 
@@ -68,7 +71,7 @@ def step_split_ms(model, cache, num_context: int, repeat: int, num_tokens: int =
     """A forward over ``num_tokens`` split by the profiler's self times (ms, medians)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from rakv.int4 import kernel_or_none
+    from rakv.kernels import kernel_or_none
     splits = []
     lib = kernel_or_none()
     # the C library's calls are ones the profiler cannot see: each runs under its own name

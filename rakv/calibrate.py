@@ -14,20 +14,22 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from rakv.cost_model import PairTimings, fit_timings
 from rakv.decoding import draft_agreement, forward, greedy
 from rakv.drafters import ngram_run_lengths
-from rakv.int4 import kernel_or_none
+from rakv.kernels import kernel_or_none, path_here
 from rakv.kv_cache import GrowingCache
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
-from rakv.op_timing import CALIBRATION_GRID, measure_pair
+from rakv.op_timing import CALIBRATION_GRID, OP_KEY_FIELDS, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
 from rakv.weights import FP32
 
@@ -36,6 +38,7 @@ from rakv.weights import FP32
 # v10: layers run as plain calls, rakv.direct_forward; v11: rotary embedding on the C
 # library in every mode, rakv.layer_kernel; the quantized modes' key names the library).
 CALIBRATION_VERSION = 11
+SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -66,25 +69,46 @@ def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, flo
 
 
 def calibrate(pair: ModelPair) -> PairTimings:
+    """Times the calibration grid and the acceptance priors, with a progress bar on stderr."""
     device = str(pair.target.device)
     # in passes of one repeat each, not each op's repeats in a block, so that every op's
     # median spans the same minutes of the machine and the fit compares each verify row
     # with the step of its own pass (rakv.cost_model): timed in blocks, the verify points
     # of one calibration caught a fast minute and priced a 17-token forward at one step.
-    # The first pass warms every point up; the later ones follow it directly.
+    # The first pass warms every point up; the later ones follow it directly. A point that
+    # takes SLOW_POINT_S or more is timed once, its first run, and one guessed to take
+    # longer than LONG_POINT_S not at all (rakv.op_timing): where every forward is slow (an
+    # older CPU's kernel path), long prefills are what would make a calibration last (Qwen
+    # 1.5B int4 on the AVX2 path: a 128-token prefill 3.5 s).
     grids = [CALIBRATION_GRID] + [replace(CALIBRATION_GRID, warmup=0)] * (CALIBRATION_GRID.repeats - 1)
-    rows = [row for i, grid in enumerate(grids) for row in measure_pair(pair, grid, device, repeats=range(i, i + 1))]
-    return fit_timings(rows, *acceptance_priors(pair))
+    rows, fast, caches = [], None, {}
+    with tqdm(desc=f"calibrating {pair.name} ({pair.weights}) on this machine, once", unit=" op", file=sys.stderr,
+              disable=None) as progress:
+        for i, grid in enumerate(grids):
+            only = None if fast is None else frozenset(key[:-1] + (i,) for key in fast)
+            for row in measure_pair(pair, grid, device, repeats=range(i, i + 1), slow_s=SLOW_POINT_S,
+                                    caches=caches, only=only):
+                rows.append(row)
+                progress.update()
+            if fast is None:  # the later passes time again only what the first timed quickly
+                fast = [_key(row) for row in rows if row.seconds < SLOW_POINT_S]
+        progress.set_postfix_str("acceptance priors")
+        priors = acceptance_priors(pair)
+    return fit_timings(rows, *priors)
+
+
+def _key(row) -> tuple:
+    return tuple(getattr(row, name) for name in OP_KEY_FIELDS)
 
 
 def calibration_path(pair: ModelPair) -> Path:
     # the kernels are part of the machine's speed, not of the models' identity: the same
     # weights on stock and packed kernels share stored state and learned policies, not timings;
-    # an edit of the C kernel's source (int4, and int8 where it builds) measures again
-    # (ctypes' documented ``_name``: the library's path, named by a hash of its source,
-    # compiler and flags)
+    # an edit of the kernels' sources measures again (ctypes' documented ``_name``: the
+    # library's path, named by a hash of its sources, compiler and flags), and so does
+    # another of their paths (RAKV_KERNEL_PATH: an AVX-512 machine timing its AVX2 path)
     library = kernel_or_none() if pair.weights != FP32 else None
-    kernel = Path(library._name).name if library is not None else ""
+    kernel = f"{Path(library._name).name}|{path_here()}" if library is not None else ""
     key = hashlib.blake2b(f"{pair.target_fingerprint}|{pair.draft_fingerprint}|{pair.linear_kernels}|{kernel}"
                           .encode(), digest_size=8).hexdigest()
     return cache_root() / "calibration" / f"v{CALIBRATION_VERSION}-{machine_id()}-{key}.json"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from rakv import layer_kernel
-from rakv.int4 import kernel_or_none
+from rakv.kernels import kernel_or_none
 
 _LAYER_CLASSES = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
 _NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
@@ -71,7 +71,7 @@ class ModelPlan:
     head: torch.nn.Module
     eager: object  # the modeling module's eager attention, HF's fallback for an unknown name
     create_causal_mask: object
-    library: object  # the C library (``rakv.int4.kernel_or_none``), or None where it cannot be built
+    library: object  # the C library (``rakv.kernels.kernel_or_none``), or None where it cannot be built
 
 
 def plan_of(model) -> ModelPlan | None:

@@ -1,7 +1,5 @@
-"""int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``), built once. The
-same library holds int8's kernel (``rakv.weights.Int8Forward``) and the quantized modes'
-attention (``attention_kernel.c``, ``rakv.row_attention``), rotary embedding and RMSNorm
-(``layer_kernel.c``, ``rakv.layer_kernel``).
+"""int4 groupwise Linear layers on a small C kernel (``int4_kernel.c``, in the library
+``rakv.kernels`` builds).
 
 A weight is 4-bit integers in groups of ``GROUP`` inputs, each group with a scale and an
 offset: w[n, k] = a[n, g] * q[n, k] + b[n, g], q in 0..15, a and b 8-bit steps of float
@@ -9,53 +7,33 @@ units shared by a few groups. GGUF's Q4_0, Q4_1 and Q4_K tensors are all of this
 ``rakv.gguf_groups`` hands them over as they are stored; float weights are quantized here
 (each group between its min and max, the steps and units as Q4_K keeps them).
 The input is quantized per row and group to int8 (llama.cpp's Q8_0), and the kernel
-multiplies 4-bit by 8-bit into int32 sums (AVX-512 VNNI where the CPU has it).
+multiplies 4-bit by 8-bit into int32 sums: AVX-512 VNNI, 256-bit VNNI or AVX2, whichever
+is fastest on the CPU at hand (``rakv.kernels``), the same bits on each.
 
 Why a kernel of our own: torch 2.13's int4 op (``_weight_int4pack_mm_for_cpu``) re-reads
 the weights for every row, so verifying 8 tokens cost 3.4 steps, and torchao 0.18's CPU
 wheel ships no x86 kernels for it. This one reads each weight block once for up to 12 rows.
 
 Invariants:
-- **Rows never mix, bit for bit**, on either of the kernel's paths and whichever rows and
+- **Rows never mix, bit for bit**, on each of the kernel's paths and whichever rows and
   threads run together (the kernel's comment says why); tests/test_int4.py checks it.
-- **Built once, never silently different.** The library is compiled from the source with
-  the system C compiler into the cache (``<cache root>/kernels/``), keyed by the source,
-  the compiler and the flags, written atomically. Where it cannot be built, ``kernel()``
-  raises ``KernelUnavailable`` (one line) and int4 is not offered; nothing falls back to
-  another arithmetic under the same name.
+- Where the library cannot be built (``rakv.kernels.KernelUnavailable``), int4 is not
+  offered.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rakv.kernels import FASTEST, LANES, kernel, kernel_forward  # import no torch either
 
 if TYPE_CHECKING:
     import torch
 
 GROUP = 32  # inputs per group; the kernel's GROUP
-LANES = 16  # output channels per packed block; the kernel's LANES
 LEVELS = 15  # q in 0..LEVELS
 STEPS = 255  # a scale or offset step in 0..STEPS
 PER_UNIT = 8  # groups per unit when quantizing float weights (Q4_K's super-block of 256)
-# one library: the int4 and int8 kernels, row-exact attention (``rakv.row_attention``),
-# rotary embedding and RMSNorm (``rakv.layer_kernel``)
-SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int4_kernel.c", "attention_kernel.c", "layer_kernel.c"))
-HEADERS = (Path(__file__).with_name("lane_sums.h"),)  # included by the sources: part of the build's key
-FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off")
-OPENMP = "-fopenmp"  # threads over output blocks; built without it where the compiler lacks it
-
-
-class KernelUnavailable(ValueError):
-    """The int4 kernel cannot be built or loaded here (one line)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class GroupedWeight:
@@ -189,7 +167,7 @@ class Int4Forward:
             self.bias = torch.zeros(self.padded)
             self.bias[:self.out_features] = linear.bias.detach().to(torch.float32)
         self.source = grouped.source
-        self.portable = 0  # 1: the kernel's portable path (tests compare the two)
+        self.path = FASTEST  # or one of rakv.kernels.PATHS' indices (tests compare them)
         self.layer_arguments = self.arguments()
 
     TENSORS = ("packed", "a_step", "b_step", "a_unit", "b_unit", "bias")  # each [blocks or padded, ...]
@@ -208,88 +186,3 @@ class Int4Forward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return kernel_forward(self, self.lib.rakv_int4_linear, x, "int4")
-
-
-def kernel_forward(layer, function, x: torch.Tensor, mode: str) -> torch.Tensor:
-    """x [..., in] -> [..., out] in x's dtype through one of the library's entry points
-    (``rakv_int4_linear``, ``rakv_int8_linear``): it takes the input, its rows and width,
-    the layer's ``layer_arguments``, the output [rows, padded] float32, the threads and
-    ``portable``, and returns non-zero where it had no memory."""
-    import torch  # already loaded (a quantized model exists): a dictionary lookup
-    rows = x.shape[:-1].numel()
-    flat = x.reshape(rows, layer.in_features)  # [rows, in]
-    if flat.dtype != torch.float32 or not flat.is_contiguous():
-        flat = flat.to(torch.float32).contiguous()
-    out = torch.empty(rows, layer.padded, dtype=torch.float32)  # [rows, padded out]
-    if function(flat.data_ptr(), rows, layer.in_features, *layer.layer_arguments, out.data_ptr(),
-                torch.get_num_threads(), layer.portable):
-        raise MemoryError(f"{mode}: no memory to quantize {rows} rows of {layer.in_features} inputs")
-    if layer.padded != layer.out_features:
-        out = out[:, :layer.out_features]
-    out = out.view(*x.shape[:-1], layer.out_features)
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-@functools.cache
-def kernel() -> ctypes.CDLL:
-    """The kernel library, built into the cache on first use. Raises KernelUnavailable."""
-    from rakv.model_files import cache_root
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not shutil.which(compiler):
-        raise KernelUnavailable("int4 needs a C compiler to build its kernel (none found: set CC or install gcc)")
-    ran = _run([compiler, "--version"])
-    version = ran.stdout.splitlines()[0] if ran is not None and ran.stdout else "?"
-    sources = "".join(repr(source.read_bytes()) for source in SOURCES + HEADERS)
-    key = hashlib.blake2b(f"{sources}|{compiler}|{version}|{FLAGS}".encode(),
-                          digest_size=8).hexdigest()
-    target = cache_root() / "kernels" / f"int4-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-        for flags in ((*FLAGS, OPENMP), FLAGS):
-            result = _run([compiler, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"])
-            if result is not None and result.returncode == 0:
-                break
-        else:
-            reason = (result.stderr.strip().splitlines() or ["no output"])[0] if result else "it did not run"
-            raise KernelUnavailable(f"cannot build the int4 kernel with {compiler}: {reason}")
-        partial.replace(target)  # atomic: a crash never leaves half a library in use
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot load the int4 kernel {target}: {exc}") from None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int
-    lib.rakv_int4_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, pointer,
-                                     integer, pointer, integer, pointer, integer, integer]
-    lib.rakv_int4_linear.restype = integer
-    lib.rakv_int8_linear.argtypes = [pointer, integer, integer, pointer, pointer, pointer, pointer, integer, pointer,
-                                     integer, integer]
-    lib.rakv_int8_linear.restype = integer
-    lib.rakv_int4_vector.restype = integer
-    wide = ctypes.c_int64
-    lib.rakv_attention.argtypes = [pointer, wide, wide, pointer, wide, wide, pointer, wide, wide, pointer,
-                                   integer, integer, integer, integer, integer, ctypes.c_float, integer, integer]
-    lib.rakv_attention.restype = integer
-    lib.rakv_rope.argtypes = [pointer, wide, wide, integer, pointer, wide, wide, integer, integer, integer, pointer,
-                              pointer, pointer, pointer, integer]
-    lib.rakv_rope.restype = None
-    lib.rakv_rms_norm.argtypes = [pointer, integer, integer, pointer, ctypes.c_float, pointer, integer]
-    lib.rakv_rms_norm.restype = None
-    return lib
-
-
-@functools.cache
-def kernel_or_none() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot be built here (int8 then runs on oneDNN,
-    with the same bits). Cached: each int8 layer asks, and a failed build is not retried."""
-    try:
-        return kernel()
-    except KernelUnavailable:
-        return None
-
-
-def _run(command):
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.SubprocessError):
-        return None

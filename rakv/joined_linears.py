@@ -48,13 +48,13 @@ class Joined:
 
 def join(parts) -> Joined | None:
     """The joined forward of ``parts`` (quantized forwards), or None where they cannot run
-    as one call: another class or input width, the oneDNN int8 path, int4 groups of another
-    shape, a bias on some only. The parts' tensors become views of the joined ones."""
+    as one call: another class or input width, int4 groups of another shape, a bias on
+    some only. The parts' tensors become views of the joined ones."""
     import torch
     first = parts[0]
     kind = type(first)
     if len(parts) < 2 or any(type(p) is not kind or p.in_features != first.in_features for p in parts) \
-            or not hasattr(kind, "TENSORS") or getattr(first, "lib", None) is None \
+            or not hasattr(kind, "TENSORS") \
             or any(getattr(p, "per_unit", None) != getattr(first, "per_unit", None) for p in parts):
         return None
     for name in kind.TENSORS:

@@ -9,8 +9,9 @@
  * - RMSNorm is the quantized modes' own (another arithmetic than HF's, whose mean sums in
  *   an order of torch's): y = w * (x * (1 / sqrt(ss / n + eps))), ss the sum of squares in
  *   16 lanes (input c into lane c % 16, one fused multiply-add each) halved 8, 4, 2, 1.
- *   Each row alone, so rows never mix; the AVX-512 path and the portable one give the same
- *   bits (tests/test_layer_kernel.py).
+ *   Each row alone, so rows never mix; the AVX-512 path, the AVX2 path (16 lanes in two
+ *   8-lane registers: halving by 8 adds the two) and the portable one give the same bits
+ *   (tests/test_layer_kernel.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,16 +19,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernel_paths.h"
 #include "lane_sums.h"
-
-#if defined(__x86_64__)
-static int vector_usable(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-}
-#else
-static int vector_usable(void) { return 0; }
-#endif
 
 /* One row of x (heads of dim floats, x_head apart) rotated into out (out_head apart);
  * cos, sin [dim]. */
@@ -58,22 +51,47 @@ static void rope_row_vector(const float *x, int64_t x_head, float *out, int64_t 
             _mm512_storeu_ps(out + h * out_head + d, _mm512_add_ps(a, _mm512_mul_ps(rot, _mm512_loadu_ps(sin + d))));
         }
 }
+
+/* rope_row_portable's bits, half of dim a multiple of 8. */
+__attribute__((target("avx2")))
+static void rope_row_avx2(const float *x, int64_t x_head, float *out, int64_t out_head, int heads, int dim,
+                          const float *cos, const float *sin) {
+    int half = dim / 2;
+    __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int h = 0; h < heads; h++)
+        for (int d = 0; d < dim; d += 8) {
+            const float *xh = x + h * x_head;
+            __m256 rot = d < half ? _mm256_xor_ps(_mm256_loadu_ps(xh + d + half), sign)  /* -x, exactly */
+                                  : _mm256_loadu_ps(xh + d - half);
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xh + d), _mm256_loadu_ps(cos + d));
+            _mm256_storeu_ps(out + h * out_head + d, _mm256_add_ps(a, _mm256_mul_ps(rot, _mm256_loadu_ps(sin + d))));
+        }
+}
 #endif
 
 /* q [heads, rows, dim] and k [kv_heads, rows, dim] (strides in floats: head, row) rotated
- * into q_out, k_out, contiguous in that shape; cos, sin [rows, dim] contiguous. */
+ * into q_out, k_out, contiguous in that shape; cos, sin [rows, dim] contiguous. path:
+ * kernel_paths.h's (-1: the fastest allowed; AVX-512 from PATH_AVX512 on, AVX2 from
+ * PATH_AVX2, else portable). */
 void rakv_rope(const float *q, int64_t q_head, int64_t q_row, int heads, const float *k, int64_t k_head,
                int64_t k_row, int kv_heads, int rows, int dim, const float *cos, const float *sin,
-               float *q_out, float *k_out, int portable) {
-    int vector = !portable && (dim / 2) % LANES == 0 && vector_usable();
+               float *q_out, float *k_out, int path) {
+    path = rakv_path(path);  /* a vector path's steps must not cross the half: the next one down where they would */
+    if (path >= PATH_AVX512 && (dim / 2) % LANES != 0) path = PATH_AVX2;
+    if (path >= PATH_AVX2 && (dim / 2) % 8 != 0) path = PATH_PORTABLE;
     int64_t out_head = (int64_t)rows * dim;
     for (int r = 0; r < rows; r++) {
         const float *c = cos + (int64_t)r * dim, *s = sin + (int64_t)r * dim;
         float *qo = q_out + (int64_t)r * dim, *ko = k_out + (int64_t)r * dim;
 #if defined(__x86_64__)
-        if (vector) {
+        if (path >= PATH_AVX512) {
             rope_row_vector(q + r * q_row, q_head, qo, out_head, heads, dim, c, s);
             rope_row_vector(k + r * k_row, k_head, ko, out_head, kv_heads, dim, c, s);
+            continue;
+        }
+        if (path >= PATH_AVX2) {
+            rope_row_avx2(q + r * q_row, q_head, qo, out_head, heads, dim, c, s);
+            rope_row_avx2(k + r * k_row, k_head, ko, out_head, kv_heads, dim, c, s);
             continue;
         }
 #endif
@@ -102,17 +120,42 @@ static float squares_vector(const float *x, int n) {
     _mm512_storeu_ps(lane, acc);
     return halves(lane);
 }
+
+__attribute__((target("avx2,fma")))
+static float squares_avx2(const float *x, int n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  /* lanes 0-7 and 8-15 */
+    int c = 0;
+    for (; c + LANES <= n; c += LANES) {
+        __m256 a = _mm256_loadu_ps(x + c), b = _mm256_loadu_ps(x + c + 8);
+        lo = _mm256_fmadd_ps(a, a, lo);
+        hi = _mm256_fmadd_ps(b, b, hi);
+    }
+    for (; c < n; c += 8) {  /* the last 1-15: dead lanes add 0 * 0 to sums of squares, no change */
+        __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 a = _mm256_maskload_ps(x + c, live);
+        if (c % LANES == 0)
+            lo = _mm256_fmadd_ps(a, a, lo);
+        else
+            hi = _mm256_fmadd_ps(a, a, hi);
+    }
+    float lane[LANES];
+    _mm256_storeu_ps(lane, lo);
+    _mm256_storeu_ps(lane + 8, hi);
+    return halves(lane);
+}
 #endif
 
 /* y [rows, n] = RMSNorm of x [rows, n] (contiguous) with weight w [n]. */
-void rakv_rms_norm(const float *x, int rows, int n, const float *w, float eps, float *y, int portable) {
-    int vector = !portable && vector_usable();
+void rakv_rms_norm(const float *x, int rows, int n, const float *w, float eps, float *y, int path) {
+    path = rakv_path(path);
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (int64_t)r * n;
         float ss;
 #if defined(__x86_64__)
-        if (vector)
+        if (path >= PATH_AVX512)
             ss = squares_vector(xr, n);
+        else if (path >= PATH_AVX2)
+            ss = squares_avx2(xr, n);
         else
 #endif
             ss = squares_portable(xr, n);

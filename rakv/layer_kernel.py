@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
-PORTABLE = 0  # 1: the kernel's portable path (tests compare the two)
+PATH = -1  # the fastest path allowed here (rakv.kernels.FASTEST), or one of rakv.kernels.PATHS' indices
 
 
 def rope(lib, query, key, cos, sin):
@@ -33,7 +33,7 @@ def rope(lib, query, key, cos, sin):
     query_out, key_out = torch.empty(1, heads, rows, dim), torch.empty(1, kv_heads, rows, dim)
     lib.rakv_rope(query.data_ptr(), query.stride(1), query.stride(2), heads, key.data_ptr(), key.stride(1),
                   key.stride(2), kv_heads, rows, dim, cos.data_ptr(), sin.data_ptr(), query_out.data_ptr(),
-                  key_out.data_ptr(), PORTABLE)
+                  key_out.data_ptr(), PATH)
     return query_out, key_out
 
 
@@ -51,7 +51,7 @@ class KernelRMSNorm:
         out = torch.empty_like(x)
         n = x.shape[-1]
         self.lib.rakv_rms_norm(x.data_ptr(), x.numel() // n, n, self.weight.data_ptr(), self.eps, out.data_ptr(),
-                               PORTABLE)
+                               PATH)
         return out
 
 
@@ -59,7 +59,7 @@ def use_kernel_norms(model) -> bool:
     """Run ``model``'s RMSNorm modules on the kernel, where the library exists and the
     model is float32; returns whether it does."""
     import torch
-    from rakv.int4 import kernel_or_none
+    from rakv.kernels import kernel_or_none
     lib = kernel_or_none()
     norms = [m for m in model.modules() if type(m).__name__ in NORM_CLASSES]
     if lib is None or any(m.weight.dtype != torch.float32 or not m.weight.is_contiguous() for m in norms):

@@ -68,6 +68,13 @@ RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 6
                         ngram_history=(256, 2048), warmup=2, repeats=5)
 
 
+# A calibration leaves out a point guessed to take longer than this (a prefill of many
+# tokens where every forward is slow): the cost model's line through the shorter ones
+# prices it, and the calibration stays under a minute (Qwen 1.5B int4 on the AVX2 path: a
+# 128-token prefill 3.5-5.6 s).
+LONG_POINT_S = 2.0
+
+
 class OpTimer:
     """Seconds of one call: CUDA events (one sync per op) on a GPU, perf_counter on a CPU."""
 
@@ -92,20 +99,38 @@ class PointTimer:
     """Times grid points: warm-up runs, then one row per timed repeat (those in ``repeats``:
     all of the grid's by default, or some, for a pass of a recording that spreads them). A
     point whose rows are all in ``done`` (the ops keys of a resumed recording) is not
-    measured again."""
+    measured again; where ``only`` is given, a row whose key it lacks is not measured."""
 
     def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset(), repeats: range | None = None,
-                 before: Callable[[], float | None] = lambda: None):
-        self.grid, self.timer, self.done, self.before = grid, timer, done, before
+                 before: Callable[[], float | None] = lambda: None, slow_s: float | None = None,
+                 only: frozenset | None = None):
+        self.grid, self.timer, self.done, self.before, self.only = grid, timer, done, before, only
         self.repeats = range(grid.repeats) if repeats is None else repeats
+        self.slow_s = slow_s  # a first warm-up this slow is the point's timing (a calibration's, not a recording's)
+
+    def too_long(self, guess_s: float) -> bool:
+        """Whether a point guessed to take ``guess_s`` is left out: in a calibration (``slow_s``
+        set), past LONG_POINT_S. A recording times every point."""
+        return self.slow_s is not None and guess_s > LONG_POINT_S
 
     def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
         keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in self.repeats]
-        if all(key in self.done for key in keys):
+        if all(key in self.done for key in keys) or (self.only is not None and not self.only.intersection(keys)):
             return
         for i, repeat in enumerate(self.repeats):
+            if self.only is not None and keys[i] not in self.only:
+                continue
             probe_s = self.before()
-            for _ in range(self.grid.warmup if i == 0 else 0):  # after the probe: its wait leaves caches cold
+            warmups = self.grid.warmup if i == 0 else 0  # after the probe: its wait leaves caches cold
+            if warmups and self.slow_s is not None:
+                # an op of seconds is not slowed by cold caches by much; where each forward
+                # is slow (the portable kernels), warming it up would double the wait
+                seconds = self.timer.seconds(fn)
+                if seconds >= self.slow_s:
+                    yield OpRow(repeat=repeat, seconds=seconds, probe_s=probe_s, **row)
+                    continue
+                warmups -= 1
+            for _ in range(warmups):
                 fn()
             yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), probe_s=probe_s, **row)
 
@@ -114,8 +139,11 @@ def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0,
     return dict(model=model, op=op, num_new_tokens=num_new, num_cached_tokens=num_cached, k=k, num_bytes=num_bytes)
 
 
-def measure_model(model, role: str, points: PointTimer, max_positions: int, seed: int = 0) -> Iterator[OpRow]:
-    """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens after c)."""
+def measure_model(model, role: str, points: PointTimer, max_positions: int, caches: dict,
+                  seed: int = 0) -> Iterator[OpRow]:
+    """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens
+    after c); the prefilled contexts kept in ``caches`` (by role and length) for the next
+    pass (a forward rolls its context back)."""
     import torch
     from rakv.decoding import crop_to, forward
     from rakv.kv_cache import GrowingCache
@@ -128,22 +156,24 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
         length = cache.get_seq_length()
         return lambda: (forward(model, cache, token_ids, num_logits), crop_to(cache, length))
 
-    caches: dict[int, GrowingCache] = {}
-
     def cache_of(num_cached: int) -> GrowingCache:
-        if num_cached not in caches:
-            caches[num_cached] = GrowingCache()
+        if (role, num_cached) not in caches:
+            caches[role, num_cached] = GrowingCache()
             if num_cached:
-                forward(model, caches[num_cached], tokens[:num_cached])
-        return caches[num_cached]
+                forward(model, caches[role, num_cached], tokens[:num_cached])
+        return caches[role, num_cached]
 
     with torch.inference_mode():
         kv_bytes = model_sizes(cache_of(16), None).kv_bytes_per_token
         for c in points.grid.prefill_cached:
+            per_token_s = 0.0  # the last prefill's at this context, for a calibration's guess of the next
             for n in points.grid.prefill_new:
-                if c + n < max_positions:
-                    yield from points(after(cache_of(c), tokens[c:c + n]),
-                                       **_row(role, "prefill", n, c, num_bytes=n * kv_bytes))
+                if c + n >= max_positions or points.too_long(per_token_s * n):
+                    continue
+                for row in points(after(cache_of(c), tokens[c:c + n]),
+                                  **_row(role, "prefill", n, c, num_bytes=n * kv_bytes)):
+                    per_token_s = row.seconds / n
+                    yield row
         for c in points.grid.decode_context:
             if c + 1 < max_positions:
                 yield from points(after(cache_of(c), tokens[c:c + 1]), **_row(role, "decode", 1, c))
@@ -152,13 +182,13 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, seed
                 if c + k + 1 < max_positions:
                     yield from points(after(cache_of(c), tokens[c:c + k + 1], k + 1),
                                        **_row(role, "verify", k + 1, c, k=k))
-        caches.clear()
 
 
-def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpRow]:
+def measure_store(model, points: PointTimer, max_positions: int, caches: dict) -> Iterator[OpRow]:
     """The prefix store's clone (a restore of every position of an entry), lookup (one
     model's match of a prompt) and insert (of a working cache's first positions, which
-    copies them, as the engine's inserts do), at several entry sizes."""
+    copies them, as the engine's inserts do), at several entry sizes; each entry's
+    source cache kept in ``caches`` for the next pass."""
     import torch
     from rakv.decoding import forward
     from rakv.kv_cache import GrowingCache
@@ -170,8 +200,10 @@ def measure_store(model, points: PointTimer, max_positions: int) -> Iterator[OpR
             if num + 1 >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
-            source = GrowingCache()
-            forward(model, source, tokens + [0])
+            if ("store", num) not in caches:
+                caches["store", num] = GrowingCache()
+                forward(model, caches["store", num], tokens + [0])
+            source = caches["store", num]
             store = KVStore()
             store.insert("ops", tokens, source, {})
             entry = store.index.entries()[0]
@@ -192,15 +224,19 @@ def measure_ngram(points: PointTimer, seed: int = 0) -> Iterator[OpRow]:
 
 
 def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = frozenset(),
-                 repeats: range | None = None, before: Callable[[], float | None] = lambda: None
+                 repeats: range | None = None, before: Callable[[], float | None] = lambda: None,
+                 slow_s: float | None = None, caches: dict | None = None, only: frozenset | None = None
                  ) -> Iterator[OpRow]:
     """Every op of the grid for the pair's target, its draft (if any), the store and ngram,
     skipping the points whose rows are all in ``done``; only ``repeats`` if given.
     ``before`` goes before each timed op (a recording's ``MachineSpeed.wait``); what it
-    returns is the row's ``probe_s``."""
-    points = PointTimer(grid, OpTimer(device), done, repeats, before)
-    yield from measure_model(pair.target, "target", points, pair.max_positions)
+    returns is the row's ``probe_s``. ``slow_s``, ``only``: see ``PointTimer``. ``caches``: a dict
+    the caller keeps across passes, so that each prefilled context is prefilled once (a
+    256-token one costs seconds where forwards are slow)."""
+    points = PointTimer(grid, OpTimer(device), done, repeats, before, slow_s, only)
+    caches = {} if caches is None else caches
+    yield from measure_model(pair.target, "target", points, pair.max_positions, caches)
     if pair.draft is not None:
-        yield from measure_model(pair.draft, "draft", points, pair.max_positions)
-    yield from measure_store(pair.target, points, pair.max_positions)
+        yield from measure_model(pair.draft, "draft", points, pair.max_positions, caches)
+    yield from measure_store(pair.target, points, pair.max_positions, caches)
     yield from measure_ngram(points)

@@ -35,7 +35,7 @@ Invariants:
 from __future__ import annotations
 
 ROW_EXACT = "rakv_row_exact"
-PORTABLE = 0  # 1: the kernel's portable path (tests compare the two)
+PATH = -1  # the fastest path allowed here (rakv.kernels.FASTEST), or one of rakv.kernels.PATHS' indices
 
 
 def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
@@ -43,7 +43,7 @@ def row_exact_attention(module, query, key, value, attention_mask, **kwargs):
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from rakv.int4 import kernel_or_none
+    from rakv.kernels import kernel_or_none
     num_rows, kv_length = query.shape[2], key.shape[2]
     plain = query.shape[0] == 1 and _causal(attention_mask, num_rows, kv_length)
     lib = kernel_or_none()  # None where the library cannot be built: SDPA rows, another arithmetic
@@ -82,7 +82,7 @@ def kernel_attention(lib, query, key, value, scale: float | None):
     if lib.rakv_attention(query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1),
                           key.stride(2), value.data_ptr(), value.stride(1), value.stride(2), out.data_ptr(),
                           num_rows, heads, key.shape[1], key.shape[2], dim, scale, torch.get_num_threads(),
-                          PORTABLE):
+                          PATH):
         raise MemoryError(f"row-exact attention: no memory for {key.shape[2]} scores")
     return out
 

@@ -3,21 +3,20 @@
 A CPU decode step streams every weight once, so its time is its bytes over the memory
 bandwidth: float32 Qwen2.5-Coder-1.5B streams 6.2 GB a step. ``int8`` holds each Linear's
 weight as int8 with one scale per output channel (symmetric: scale = max|w| / 127) and
-runs it on the project's C kernel (``rakv/int4_kernel.c``, which int4 builds; AVX-512 VNNI
-where the CPU has it), or on oneDNN's int8 inner product where no C compiler exists: the
-same bits. Each forward quantizes its input per row (symmetric, dynamic: the row's own
-max|x| / 127), so the kernel multiplies int8 by int8 into int32 sums. The C kernel does
-it in one call per layer where oneDNN took a dozen torch ops, prefetches the weights, and
-runs 16-row tiles of a prefill on AMX where the CPU has it: a Qwen2.5-Coder-1.5B int8
-step 0.62-0.80x oneDNN's time, the 0.5B draft's 0.44-0.70x (two lockstep runs:
-``python -m bench.int8_paths``), a 200-row 1536->8960 layer 0.72x.
+runs it on the project's C kernel (``rakv/int8_kernel.c``, in the library ``rakv.kernels``
+builds: AVX2, 256-bit VNNI, AVX-512 VNNI or AMX tiles, whichever is fastest on the CPU at
+hand, the same bits on each). Each forward quantizes its input per row (symmetric,
+dynamic: the row's own max|x| / 127), so the kernel multiplies int8 by int8 into int32
+sums, in one call per layer, the weights prefetched. Where the library cannot be built,
+int8 is not offered: oneDNN's int8 inner product, its fallback until then, gave other bits
+than the kernel on an AVX2 CPU, and whether its rows stay exact there was never shown.
 
 Invariants:
 - **Rows never mix, bit for bit.** A row's int32 sums are exact whatever order the kernel
   adds in, and everything after them (the channel scale, the row scale, the bias) is
   elementwise. So a row's result does not depend on how many rows come with it: a forward
   over T tokens gives each token the bits a one-token forward gives it, which is what
-  exact speculation needs, on any CPU and any oneDNN path.
+  exact speculation needs, on every CPU and every path of the kernel.
 - **A mode is a model.** Outputs in int8 are another model's than in float32: the mode's
   format tag (``FORMATS``) goes into both fingerprints, so traces, stored KV, calibrations
   and learned policies of one mode never serve another. float32 fingerprints are those of
@@ -26,8 +25,8 @@ Invariants:
   input, so the last-bit differences that float32 attention leaves between a forward over
   T tokens and T one-token forwards would now and then flip a rounding, and a greedy token.
   The quantized modes run it, and their RMSNorm, on the library's kernels (torch's SDPA
-  row by row and HF's norm where the library cannot be built: another model, so
-  ``tagged`` names which).
+  row by row and HF's norm for a float64 model, whose norms the kernel does not take:
+  another model, so ``tagged`` names which).
   float32 keeps PyTorch's attention: there those differences stay at 1e-7 and have never
   flipped a token in the test suite, and its shipped traces were timed with it.
 - **No float32 copy.** In int4, an embedding the GGUF stores quantized keeps the file's
@@ -56,9 +55,10 @@ HumanEval outputs' tokens where int8 agreed on 93.2 % (one run, core 1).
 A pair's mode is one mode for both models, or ``TARGET/DRAFT``: ``int8/int4-pure`` runs
 the target in int8 and its draft in int4-pure.
 
-``auto`` follows the checkpoint: a GGUF file with 4-bit tensors runs as int4 (int8 where
-the int4 kernel cannot be built here, with a warning), one with other quantized tensors
-as int8, anything else as float32.
+``auto`` is the fastest mode for the checkpoint on the CPU at hand, measured once and
+cached (``rakv.auto_weights``): for a GGUF file with 4-bit tensors int4, int8 or fp32,
+for one with other quantized tensors int8 or fp32, and fp32 for a float checkpoint (and
+where the kernels cannot be built, with a warning).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rakv.int4 import kernel_forward  # imports no torch either
+from rakv.kernels import LANES, KernelUnavailable, kernel, kernel_forward  # import no torch either
 
 if TYPE_CHECKING:
     import torch
@@ -86,91 +86,65 @@ KERNEL_OPS = "attention (row-exact) and RMSNorm on rakv's C kernels, v1"
 TORCH_OPS = "attention as torch SDPA one row at a time, Hugging Face's RMSNorm"
 WEIGHTS_HELP = ("precision of the Linear layers (rows stay exact; each mode is its own model): int4 runs a "
                 "GGUF's 4-bit groups as stored (5-8 bit tensors as int8, float ones quantized to 4-bit groups); "
-                "int8 per-channel int8 weights, per-row int8 activations; fp32 as loaded; auto: int4 for a GGUF "
-                "with 4-bit tensors, int8 for another quantized GGUF, fp32 otherwise; int4-pure: every Linear "
+                "int8 per-channel int8 weights, per-row int8 activations; fp32 as loaded; auto: the fastest of "
+                "these for a quantized GGUF on this CPU, measured once and cached (fp32 for a float checkpoint); "
+                "int4-pure: every Linear "
                 "as 4-bit groups (5-8 bit tensors re-quantized: fewer bytes, another model; for a draft). "
-                "TARGET/DRAFT gives the draft its own mode, e.g. int8/int4-pure (default: fp32, the mode "
-                "the shipped traces and policies were recorded in)")
-DEFAULT_WEIGHTS = FP32
+                "TARGET/DRAFT gives the draft its own mode, e.g. int8/int4-pure (default: auto)")
+DEFAULT_WEIGHTS = AUTO
 QMAX = 127  # symmetric: -127..127, so negating a value never overflows
 TINY = 1e-30  # the scale of an all-zero row or channel: its integers are all 0 anyway
-# oneDNN's int8 inner product falls back to a slow path for 64 or fewer output channels
-# (0.3-5 ms where 96 take 0.03): narrower layers get zero channels, sliced off after.
-MIN_COLUMNS = 128
-MIN_ROWS = 4  # fewer rows take a slow oneDNN path for narrow layers: 896->128 cost 8-10 ms at 1-2 rows, 0.2 at 4
 
 
 class Int8Forward:
-    """A Linear's forward on int8 weights: x [..., in] -> [..., out] in x's dtype.
-
-    Runs on the project's C kernel (``rakv/int4_kernel.c``: one call per layer, the
-    weights prefetched) where it builds, else on oneDNN's int8 inner product: the same
-    bits either way (tests/test_weights.py), so which one runs is not part of the model."""
+    """A Linear's forward on int8 weights: x [..., in] -> [..., out] in x's dtype, on the
+    library's kernel (``rakv/int8_kernel.c``: one call per layer, the weights prefetched,
+    the fastest exact path of the CPU at hand). Raises ``KernelUnavailable`` where the
+    library cannot be built: int8 has no other arithmetic (oneDNN's int8 inner product
+    gave other bits on an AVX2 CPU, and whether its rows stay exact there is not known)."""
 
     def __init__(self, linear: torch.nn.Linear):
         import torch
-        from rakv import int4
+        from rakv.kernels import FASTEST
+        self.lib = kernel()
         weight = linear.weight.detach().to(torch.float32)  # [out, in]
         scale = weight.abs().amax(dim=1).clamp_min(TINY) / QMAX  # [out]
         quantized = torch.round(weight / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)  # [out, in]
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)  # [out]
-        self.lib = int4.kernel_or_none() if self.in_features % 4 == 0 else None
-        self.portable = 0  # 1: the C kernel's portable path (tests compare the two)
-        if self.lib is not None:
-            padded = -(-self.out_features // int4.LANES) * int4.LANES  # the kernel writes whole blocks of 16
-            extra = padded - self.out_features
-            if extra:  # a copy: only where needed (freed copies of big layers stay as the heap's holes)
-                quantized = torch.cat([quantized, quantized.new_zeros(extra, self.in_features)])
-            # [block, in / 4, lane, 4]: 16 channels x 4 inputs per 64-byte load
-            self.packed = quantized.view(padded // int4.LANES, int4.LANES, self.in_features // 4, 4) \
-                .transpose(1, 2).contiguous()
-            self.colsum = quantized.sum(dim=1, dtype=torch.int32)  # [padded]
-            self.scale = torch.cat([scale, scale.new_ones(extra)])  # [padded]
-            self.bias = None if bias is None else torch.cat([bias, bias.new_zeros(extra)])  # [padded]
-            self.padded = padded
-            self.layer_arguments = self.arguments()
-            return
-        if weight.shape[0] < MIN_COLUMNS:
-            quantized = torch.cat([quantized, quantized.new_zeros(MIN_COLUMNS - weight.shape[0], weight.shape[1])])
-            scale = torch.cat([scale, scale.new_ones(MIN_COLUMNS - weight.shape[0])])
-        self.weight = torch.ops.onednn.qlinear_prepack(quantized, None)  # [max(out, MIN_COLUMNS), in], packed
-        self.scale = scale
-        self.zero_points = torch.zeros(scale.shape[0], dtype=torch.int64)
-        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.kernel_in_features = -(-self.in_features // 4) * 4  # the kernel takes inputs in fours: zeros after
+        padded = -(-self.out_features // LANES) * LANES  # the kernel writes whole blocks of 16
+        if (padded, self.kernel_in_features) != tuple(quantized.shape):  # a copy only where needed (freed
+            # copies of big layers stay as the heap's holes)
+            quantized = torch.nn.functional.pad(quantized, (0, self.kernel_in_features - self.in_features,
+                                                            0, padded - self.out_features))
+        extra = padded - self.out_features
+        # [block, in / 4, lane, 4]: 16 channels x 4 inputs per 64-byte load
+        self.packed = quantized.view(padded // LANES, LANES, self.kernel_in_features // 4, 4) \
+            .transpose(1, 2).contiguous()
+        self.colsum = quantized.sum(dim=1, dtype=torch.int32)  # [padded]
+        self.scale = torch.cat([scale, scale.new_ones(extra)])  # [padded]
+        self.bias = None if linear.bias is None else \
+            torch.cat([linear.bias.detach().to(torch.float32), scale.new_zeros(extra)])  # [padded]
+        self.padded = padded
+        self.path = FASTEST  # or one of rakv.kernels.PATHS' indices (tests compare them)
+        self.layer_arguments = self.arguments()
 
-    TENSORS = ("packed", "colsum", "scale", "bias")  # the C kernel's, each [blocks or padded, ...]
+    TENSORS = ("packed", "colsum", "scale", "bias")  # each [blocks or padded, ...]
 
     def arguments(self) -> tuple:
-        """The C kernel's arguments that never change, from packed to n (the tensors stay held)."""
+        """The kernel's arguments that never change, from packed to n (the tensors stay held)."""
         return (self.packed.data_ptr(), self.colsum.data_ptr(), self.scale.data_ptr(),
                 None if self.bias is None else self.bias.data_ptr(), self.padded)
 
     @property
     def num_bytes(self) -> int:
-        """The bytes this layer holds: its int8 weight (padded: to 16 channels for the C
-        kernel, to MIN_COLUMNS for oneDNN), the channel scales and the bias."""
-        held = [self.scale, self.bias] + ([self.packed, self.colsum] if self.lib is not None else [])
-        weight = 0 if self.lib is not None else self.in_features * self.scale.numel()
-        return weight + sum(t.numel() * t.element_size() for t in held if t is not None)
+        """The bytes this layer holds: its int8 weight (padded to 16 channels), the channel
+        sums and scales, and the bias."""
+        held = (self.packed, self.colsum, self.scale, self.bias)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        import torch  # already loaded (a quantized model exists): a dictionary lookup
-        if self.lib is not None:
-            return kernel_forward(self, self.lib.rakv_int8_linear, x, INT8)
-        rows = x.shape[:-1].numel()
-        flat = x.reshape(rows, self.in_features).to(torch.float32)  # [rows, in]
-        row_scale = flat.abs().amax(dim=1, keepdim=True).clamp_min(TINY) / QMAX  # [rows, 1]
-        quantized = torch.round(flat / row_scale).clamp(-QMAX, QMAX).to(torch.int8)  # [rows, in]
-        if rows < MIN_ROWS:  # zero rows: rows never mix, so padding changes no row's bits
-            quantized = torch.cat([quantized, quantized.new_zeros(MIN_ROWS - rows, self.in_features)])
-        # x's scale is passed as 1 and applied per row below: oneDNN takes one scale a tensor.
-        out = torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 0, self.weight, self.scale, self.zero_points,
-                                                 None, 1.0, 0, torch.float32, "none", [], "")  # [rows, out]
-        out = out[:rows, :self.out_features] * row_scale
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return kernel_forward(self, self.lib.rakv_int8_linear, x, INT8)
 
 
 def return_freed_memory() -> None:
@@ -185,11 +159,10 @@ def return_freed_memory() -> None:
 
 
 def quantizable(model) -> bool:
-    """Whether ``model`` can run int8 or int4 here: float weights on a CPU with oneDNN."""
+    """Whether ``model`` can run int8 or int4 here: float weights on a CPU."""
     import torch
     param = next(model.parameters())
-    return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64)
-            and torch.backends.mkldnn.is_available())
+    return param.device.type == "cpu" and param.dtype in (torch.float32, torch.float64)
 
 
 def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
@@ -230,28 +203,34 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
     return tuple(plan)
 
 
-def choose_weights(choice: str, stored_kinds, models) -> str:
+def choose_weights(choice: str, stored: list[dict], models, key: str = "") -> str:
     """The mode ``choice`` (one of WEIGHTS: ``split_modes`` checked it) means for these
-    models; raises ValueError (one line) where it cannot run. ``stored_kinds``: how the
-    checkpoint stores its weights (GGUF type names, ``GroupedWeight``s for the 4-bit
-    groups it matched, ``StoredRows``); empty for a float one."""
+    models; raises ValueError (one line) where it cannot run. ``stored``: for each model,
+    how its checkpoint stores each Linear (``rakv.gguf_groups.stored_linears``: GGUF type
+    names, ``GroupedWeight``s for the 4-bit groups it matched, ``StoredRows``); empty
+    for a float one. ``auto`` measures the candidates (``rakv.auto_weights``), cached
+    under ``key`` (the checkpoint's fingerprints)."""
     from rakv import int4
     from rakv.gguf_groups import PLAIN
     mode = choice
     if choice == AUTO:
-        four_bit = any(isinstance(k, int4.GroupedWeight) for k in stored_kinds)
-        quantized = four_bit or any(isinstance(k, str) and k not in PLAIN for k in stored_kinds)
+        kinds = [k for held in stored for k in held.values()]
+        four_bit = any(isinstance(k, int4.GroupedWeight) for k in kinds)
+        quantized = four_bit or any(isinstance(k, str) and k not in PLAIN for k in kinds)
         mode = INT4 if four_bit else INT8 if quantized else FP32
     if mode != FP32 and not all(quantizable(m) for m in models if m is not None):
-        raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU with oneDNN")
-    if mode in FOUR_BIT:
+        raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU")
+    if mode != FP32:
         try:
-            int4.kernel()
-        except int4.KernelUnavailable as exc:
+            kernel()
+        except KernelUnavailable as exc:
             if choice != AUTO:
-                raise
-            print(f"warning: {exc}; running int8 instead", file=sys.stderr)
-            return INT8
+                raise KernelUnavailable(f"--weights {mode}: {exc}") from None
+            print(f"warning: {exc}; running fp32 instead", file=sys.stderr)
+            return FP32
+    if choice == AUTO:
+        from rakv.auto_weights import candidates, fastest_mode
+        return fastest_mode(models, stored, candidates(four_bit, quantized), key)
     return mode
 
 
@@ -293,11 +272,13 @@ def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] 
         from rakv.gguf_groups import stored_linears
         stored = [stored_linears(path, model) if path is not None and model is not None else {}
                   for path, model in zip(gguf_paths, models)]
+    keys = (f"{pair.target_fingerprint}|{pair.draft_fingerprint}", str(pair.target_fingerprint),
+            str(pair.draft_fingerprint))
     if draft_choice is None:  # one mode: auto looks at both files at once
-        modes = (choose_weights(target_choice, [k for s in stored for k in s.values()], models),) * 2
+        modes = (choose_weights(target_choice, stored, models, keys[0]),) * 2
     else:
-        modes = (choose_weights(target_choice, list(stored[0].values()), models[:1]),
-                 choose_weights(draft_choice, list(stored[1].values()), models[1:]))
+        modes = (choose_weights(target_choice, stored[:1], models[:1], keys[1]),
+                 choose_weights(draft_choice, stored[1:], models[1:], keys[2]))
         if pair.draft is not None and modes[0] != modes[1] and _shares_layers(pair.target, pair.draft):
             raise ValueError(f"--weights {choice}: this draft runs the target's own layers, so it runs in the "
                              f"target's mode; give one mode")

@@ -11,18 +11,27 @@ ALL_POLICIES = fixed_policy_names() + ("rakv",)
 SMOLLM2_MAX_CONTEXT = 320  # a cap below the model's 8192 positions keeps near-max prompts cheap on a CPU
 
 
-def int4_kernel_problem() -> str | None:
-    """Why the int4 kernel cannot be built here (no C compiler), or None."""
-    from rakv import int4
+def kernel_problem() -> str | None:
+    """Why the kernel library (every quantized mode's) cannot be built here, or None."""
+    from rakv import kernels
     try:
-        int4.kernel()
-    except int4.KernelUnavailable as exc:
+        kernels.kernel()
+    except kernels.KernelUnavailable as exc:
         return str(exc)
     return None
 
 
-_INT4_PROBLEM = int4_kernel_problem()
-NEEDS_INT4 = pytest.mark.skipif(_INT4_PROBLEM is not None, reason=str(_INT4_PROBLEM))
+_KERNEL_PROBLEM = kernel_problem()
+NEEDS_KERNELS = pytest.mark.skipif(_KERNEL_PROBLEM is not None, reason=str(_KERNEL_PROBLEM))
+
+
+def kernel_paths() -> list:
+    """Every kernel path this CPU runs, as pytest params named by path (none where the
+    library cannot be built)."""
+    from rakv import kernels
+    if _KERNEL_PROBLEM is not None:
+        return []
+    return [pytest.param(path, id=kernels.PATHS[path]) for path in kernels.paths_here()]
 
 
 def hf_greedy(pair, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -51,4 +60,6 @@ def tiny_pair():
 @pytest.fixture(scope="session")
 def smollm2_pair():
     from rakv.models import load_pair
-    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT)
+    # fp32: the mode of the shipped SmolLM2 traces and policy these tests check against
+    # (the default, auto, is whichever mode is fastest on the machine at hand)
+    return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="fp32")

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NEEDS_INT4
-from rakv import gguf_groups, int4
-from rakv.weights import INT4, INT8, choose_weights
+from conftest import NEEDS_KERNELS, kernel_paths
+from rakv import gguf_groups, int4, kernels, weights
+from rakv.weights import FP32, INT4, INT8, choose_weights
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
 def reference(grouped: int4.GroupedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +23,7 @@ def reference(grouped: int4.GroupedWeight, x: torch.Tensor) -> torch.Tensor:
     return (quantized * scale).view(rows, inputs) @ grouped.dequantized().double().T
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
 @pytest.mark.parametrize("shape", [(64, 258), (576, 192), (1536, 1536), (8960, 40)])
 def test_the_kernel_computes_what_it_says(shape):
     inputs, outputs = shape
@@ -38,29 +37,32 @@ def test_the_kernel_computes_what_it_says(shape):
     assert torch.equal(layer(torch.zeros(3, inputs)), torch.zeros(3, outputs))  # an all-zero group has scale 0
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
+@pytest.mark.parametrize("path", kernel_paths())
 # 1536 inputs: steps, a unit per 8 groups; 96: no steps, units that are f16 subnormals
 @pytest.mark.parametrize("inputs, weight_scale", [(1536, 1.0), (96, 1e-4)])
-def test_both_paths_and_any_threads_give_the_same_bits(inputs, weight_scale):
-    """The portable path also quantizes the activations with its own (scalar) loop."""
+def test_every_path_and_any_threads_give_the_same_bits(inputs, weight_scale, path):
+    """Each path the CPU runs, forced, gives the portable path's bits at every tile
+    height, quantizing the activations with its own loop; and so do two threads."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(inputs, 600)
     grouped = int4.quantize_groups(linear.weight * weight_scale)
     layer = int4.Int4Forward(linear, grouped)
     assert (layer.a_step is None) == (grouped.per_unit == 1)
     x = torch.randn(13, inputs)
-    x[0, :32] = torch.arange(32) - 15.5  # scale 1: every input a tie the two paths round to even
+    x[0, :32] = torch.arange(32) - 15.5  # scale 1: every input a tie the paths round to even
     x[0, 31] = -127.0
-    one_thread = layer(x)
-    torch.testing.assert_close(one_thread.double(), reference(grouped, x) + linear.bias.double(), rtol=1e-5,
-                               atol=1e-5 * float(one_thread.abs().max()))
-    layer.portable = 1
-    assert torch.equal(layer(x), one_thread)
-    layer.portable = 0
+    layer.path = 0
+    portable = layer(x)
+    torch.testing.assert_close(portable.double(), reference(grouped, x) + linear.bias.double(), rtol=1e-5,
+                               atol=1e-5 * float(portable.abs().max()))
+    layer.path = path
+    for rows in (1, 2, 3, 4, 5, 9, 12, 13):
+        assert torch.equal(layer(x[:rows]), portable[:rows]), rows
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(layer(x), one_thread)
+        assert torch.equal(layer(x), portable)
     finally:
         torch.set_num_threads(threads)
 
@@ -84,7 +86,7 @@ def test_gguf_blocks_read_as_gguf_py_dequantizes_them(kind):
     assert torch.equal(grouped.dequantized(), torch.from_numpy(expected))
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
 @pytest.mark.slow
 def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
     """Every 4-bit Linear of the SmolLM2 GGUF is taken as stored, matching the loaded
@@ -108,14 +110,23 @@ def test_smollm2_runs_its_own_q4_1_groups(smollm2_pair, tmp_path, monkeypatch):
 
 
 def test_no_compiler_is_one_line_and_auto_falls_back(monkeypatch, tmp_path, capsys):
+    """Without the library no quantized mode runs (int8 has no other arithmetic): a
+    one-line error, and auto takes fp32 with a warning."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
-    with pytest.raises(int4.KernelUnavailable, match="int4 needs a C compiler"):
-        int4.kernel.__wrapped__()
-    monkeypatch.setattr(int4, "kernel", int4.kernel.__wrapped__)
+    with pytest.raises(kernels.KernelUnavailable, match="the quantized modes need a C compiler"):
+        kernels._library.__wrapped__()
+    monkeypatch.setattr(weights, "kernel", kernels._library.__wrapped__)
     model = torch.nn.Linear(64, 64)
-    with pytest.raises(int4.KernelUnavailable, match="^int4 needs a C compiler"):
-        choose_weights(INT4, [], [model])
-    stored = [int4.quantize_groups(model.weight)]
-    assert choose_weights("auto", stored, [model]) == INT8
-    assert "warning: int4 needs a C compiler" in capsys.readouterr().err
+    for mode in (INT4, INT8):
+        with pytest.raises(kernels.KernelUnavailable, match=f"^--weights {mode}: the quantized modes need a C"):
+            choose_weights(mode, [{}], [model])
+    stored = [{"": int4.quantize_groups(model.weight)}]
+    assert choose_weights("auto", stored, [model]) == FP32
+    assert "warning: the quantized modes need a C compiler" in capsys.readouterr().err
+
+
+def test_a_kernel_path_cap_that_is_no_path_is_one_line(monkeypatch):
+    monkeypatch.setenv(kernels.PATH_ENV, "avx3")
+    with pytest.raises(kernels.KernelUnavailable, match="^RAKV_KERNEL_PATH must be one of portable, avx2, vnni256"):
+        kernels.kernel.__wrapped__()

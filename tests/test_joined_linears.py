@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEEDS_INT4
+from conftest import NEEDS_KERNELS
 from rakv import direct_forward
 from rakv.int4 import Int4Forward, quantize_groups
 from rakv.joined_linears import join
 from rakv.weights import Int8Forward
 
-pytestmark = NEEDS_INT4  # the kernels' library: built where a C compiler is
+pytestmark = NEEDS_KERNELS  # the kernels' library: built where a C compiler is
 
 QUANTIZED = {"int8": Int8Forward, "int4": lambda linear: Int4Forward(linear, quantize_groups(linear.weight))}
 # (in, outs, bias): Qwen2.5-Coder 0.5B's q/k/v and gate/up, and widths that are no multiple of 16

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import NEEDS_INT4
-from rakv.int4 import kernel_or_none
+from conftest import NEEDS_KERNELS, kernel_paths
+from rakv.kernels import kernel_or_none
 from rakv import layer_kernel
 
-pytestmark = NEEDS_INT4  # the kernel's library: built where a C compiler is
+pytestmark = NEEDS_KERNELS  # the kernel's library: built where a C compiler is
 
 
 def rotary_inputs(heads: int, kv_heads: int, dim: int, rows: int, seed: int):
@@ -26,9 +26,9 @@ def rotary_inputs(heads: int, kv_heads: int, dim: int, rows: int, seed: int):
 
 
 @pytest.mark.parametrize("shape", [(9, 3, 64), (12, 2, 128), (14, 2, 64), (3, 1, 24)])
-@pytest.mark.parametrize("portable", [0, 1])
-def test_rope_is_hugging_faces_bit_for_bit(shape, portable, monkeypatch):
-    monkeypatch.setattr(layer_kernel, "PORTABLE", portable)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_rope_is_hugging_faces_bit_for_bit(shape, path, monkeypatch):
+    monkeypatch.setattr(layer_kernel, "PATH", path)
     query, key, cos, sin = rotary_inputs(*shape, rows=9, seed=sum(shape))
     got = layer_kernel.rope(kernel_or_none(), query, key, cos, sin)
     want = apply_rotary_pos_emb(query, key, cos[:, 0], sin[:, 0])  # it unsqueezes them itself
@@ -42,14 +42,15 @@ class Norm(torch.nn.Module):
         self.variance_epsilon = 1e-6
 
 
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("n", [576, 896, 1536, 100])
-def test_rms_norm_rows_never_mix_and_both_paths_agree(n, monkeypatch):
+def test_rms_norm_rows_never_mix_and_every_path_agrees(n, path, monkeypatch):
     norm = layer_kernel.KernelRMSNorm(Norm(n), kernel_or_none())
     x = torch.randn(1, 17, n, generator=torch.Generator().manual_seed(n)) * 3
     together = norm(x)
     alone = torch.cat([norm(x[:, i:i + 1]) for i in range(17)], dim=1)
     assert torch.equal(together, alone)
-    monkeypatch.setattr(layer_kernel, "PORTABLE", 1)
+    monkeypatch.setattr(layer_kernel, "PATH", path)
     assert torch.equal(norm(x), together)
     variance = x.double().pow(2).mean(-1, keepdim=True)
     want = norm.weight.double() * x.double() * torch.rsqrt(variance + 1e-6)

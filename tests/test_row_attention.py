@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEEDS_INT4
-from rakv.int4 import kernel_or_none
+from conftest import NEEDS_KERNELS, kernel_paths
+from rakv.kernels import kernel_or_none
 from rakv import row_attention
 
-pytestmark = NEEDS_INT4  # the kernel's library: built where a C compiler is
+pytestmark = NEEDS_KERNELS  # the kernel's library: built where a C compiler is
 
 # (heads, kv_heads, dim): SmolLM2, Qwen2.5-Coder 1.5B and 0.5B, the tiny pair, a dim the
 # vector path does not take
@@ -41,12 +41,27 @@ def test_a_row_is_the_same_bits_alone_or_with_up_to_16_others(shape):
         assert torch.equal(together, alone[:, 17 - rows:]), rows
 
 
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_vector_and_portable_paths_give_the_same_bits(shape, monkeypatch):
+def test_every_path_gives_the_same_bits(shape, path, monkeypatch):
     query, key, value = qkv(*shape, rows=9, kv_length=77, seed=3)
-    vector = attend(query, key, value)
-    monkeypatch.setattr(row_attention, "PORTABLE", 1)
-    assert torch.equal(attend(query, key, value), vector)
+    monkeypatch.setattr(row_attention, "PATH", 0)
+    portable = attend(query, key, value)
+    monkeypatch.setattr(row_attention, "PATH", path)
+    assert torch.equal(attend(query, key, value), portable)
+
+
+@pytest.mark.parametrize("path", kernel_paths())
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_path_gives_the_same_bits_on_rows_of_1_to_17_keys(shape, path, monkeypatch):
+    """A vector path's blocks of 8 or 16 keys part full from the first key on, and scores
+    spread past exp's cutoff (keys 10 times larger: some p[j] are 0)."""
+    query, key, value = qkv(*shape, rows=17, kv_length=17, seed=11)
+    key = key * 10
+    monkeypatch.setattr(row_attention, "PATH", 0)
+    portable = attend(query, key, value)
+    monkeypatch.setattr(row_attention, "PATH", path)
+    assert torch.equal(attend(query, key, value), portable)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

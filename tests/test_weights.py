@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ALL_POLICIES, NEEDS_INT4, SMOLLM2_MAX_CONTEXT, hf_greedy, policy_for
+from conftest import ALL_POLICIES, NEEDS_KERNELS, SMOLLM2_MAX_CONTEXT, hf_greedy, kernel_paths, policy_for
 from engine_checks import assert_rounds_replay, run_mix
 from rakv.calibrate import calibration_path
 from rakv.decoding import forward
@@ -16,7 +16,6 @@ from rakv.models import PairError, load_pair
 from rakv.int4 import Int4Forward, quantize_groups
 from rakv.weights import FP32, INT4, INT4_PURE, INT8, Int8Forward
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 MAX_ROWS = 32
 TINY_LINEAR_KINDS = {(64, 64, False), (64, 32, False), (64, 128, False), (128, 64, False), (64, 258, False)}
@@ -49,7 +48,7 @@ def int4_tiny():
 QUANTIZED = {INT8: Int8Forward, INT4: lambda linear: Int4Forward(linear, quantize_groups(linear.weight))}
 
 
-@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_INT4)])
+@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_KERNELS)])
 @pytest.mark.parametrize("kind", sorted(linear_kinds("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
                                         | TINY_LINEAR_KINDS))
 def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
@@ -74,34 +73,71 @@ def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
         assert layer(x.view(2, MAX_ROWS // 2, in_features)).shape == (2, MAX_ROWS // 2, out_features)
 
 
-@NEEDS_INT4
+def int8_reference(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel computes, bit for bit, in torch: exact integer sums (float64
+    holds them: under 2^53), then ((float)sum * w_scale) * x_scale + bias in float32."""
+    weight = linear.weight.detach()
+    w_scale = weight.abs().amax(dim=1).clamp_min(1e-30) / 127  # [out]
+    wq = torch.round(weight / w_scale[:, None]).clamp(-127, 127)  # [out, in]
+    x_scale = x.abs().amax(dim=1).clamp_min(1e-30) / 127  # [rows]
+    xq = torch.round(x / x_scale[:, None]).clamp(-127, 127)  # [rows, in]: half to even, as nearbyintf
+    out = (xq.double() @ wq.double().T).float() * w_scale * x_scale[:, None]
+    return out if linear.bias is None else out + linear.bias.detach()
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("kind", [(896, 4864, False), (1536, 256, True), (64, 258, False), (8960, 1536, False),
                                   (20, 48, True)])
-def test_int8_runs_the_same_bits_on_the_c_kernel_and_on_onednn(kind, monkeypatch):
-    """Int8Forward runs on the C kernel where it builds and on oneDNN where not: the same
-    bits on its vector and portable paths and on oneDNN, so which runs is not part of the
-    model. Inputs include ties (x / scale at .5) and an all-zero row."""
-    from rakv import int4
+def test_int8_gives_the_same_bits_on_every_kernel_path(kind, path):
+    """Each path the CPU runs (portable, AVX2, 256-bit VNNI, AVX-512 VNNI, AMX: forced one
+    by one) gives the arithmetic int8 is defined as, bit for bit, at every row count
+    where tiles switch. Inputs include ties (x / scale at .5), an all-zero row, and (20
+    inputs) a width the kernel pads to fours."""
     in_features, out_features, bias = kind
     torch.manual_seed(in_features + out_features)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    on_c = Int8Forward(linear)
-    assert (on_c.lib is not None) == (in_features % 4 == 0)
-    monkeypatch.setattr(int4, "kernel_or_none", lambda: None)
-    on_onednn = Int8Forward(linear)
+    layer = Int8Forward(linear)
+    layer.path = path
     x = torch.randn(MAX_ROWS, in_features) * torch.linspace(0.1, 10.0, MAX_ROWS)[:, None]
     x[1] = 0.0
     x[2, :3] = torch.tensor([127.0, 0.5, -1.5])  # scale 1: 0.5 and -1.5 are ties, to even
     with torch.no_grad():
-        expected = on_onednn(x)
-        for portable in (0, 1):
-            on_c.portable = portable
-            for rows in (1, 2, 5, 9, 16, 17, MAX_ROWS):
-                assert torch.equal(on_c(x[:rows]), expected[:rows]), (portable, rows)
-            assert on_c(x[:0]).shape == (0, out_features)  # no rows: an empty result, not a MemoryError
+        expected = int8_reference(linear, x)
+        for rows in (1, 2, 3, 5, 6, 7, 9, 12, 16, 17, MAX_ROWS):
+            assert torch.equal(layer(x[:rows]), expected[:rows]), rows
+        assert layer(x[:0]).shape == (0, out_features)  # no rows: an empty result, not a MemoryError
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
+def test_auto_takes_the_fastest_mode_measured_here_once(monkeypatch, tmp_path, capsys):
+    """auto on a quantized checkpoint: each candidate mode's Linear layers timed on this
+    CPU, the cheapest taken, the figures cached (a second choice measures nothing); a float
+    checkpoint stays fp32 unmeasured; int4 only where the file holds 4-bit tensors."""
+    from rakv import auto_weights
+    from rakv.weights import choose_weights
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
+    model = load_pair("tiny", dtype="float32").target
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    stored = {name: quantize_groups(model.get_submodule(name).weight) for name in linears[:3]}
+    stored |= {name: "Q6_K" for name in linears[3:5]}  # 5-8 bit tensors: int8 in int4 mode
+    kinds = auto_weights.layer_kinds([model], [stored], INT4)
+    assert {how for _, _, how in kinds} == {"int4:float", INT8}
+    assert sum(count for _, count in kinds.values()) == len(linears)
+    assert auto_weights.candidates(four_bit=True, quantized=True) == (INT4, INT8, FP32)
+    assert auto_weights.candidates(four_bit=False, quantized=True) == (INT8, FP32)
+    measured = []
+    real_cost = auto_weights.mode_cost
+    monkeypatch.setattr(auto_weights, "mode_cost", lambda *a: measured.append(a[2]) or real_cost(*a))
+    chosen = choose_weights("auto", [stored], [model], key="tiny")
+    costs = {mode: real_cost([model], [stored], mode) for mode in (INT4, INT8, FP32)}
+    assert sorted(measured) == sorted((INT4, INT8, FP32)) and chosen in costs
+    assert f"weights auto: {chosen} (Linear layers of a step and a 9-token forward" in capsys.readouterr().err
+    assert choose_weights("auto", [stored], [model], key="tiny") == chosen and len(measured) == 3  # cached
+    assert choose_weights("auto", [{}], [model], key="tiny") == FP32 and len(measured) == 3  # a float checkpoint
+
+
+@NEEDS_KERNELS
 def test_each_mode_is_another_model(int8_tiny, int4_tiny):
     fp32 = load_pair("tiny", dtype="float32")
     assert (fp32.weights, int8_tiny.weights, int4_tiny.weights) == (FP32, INT8, INT4)
@@ -132,7 +168,7 @@ def test_modes_that_cannot_run_are_one_line_errors():
         load_pair("tiny", weights_mode="int8/int3")
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
 def test_a_draft_runs_in_a_mode_of_its_own(int8_tiny, int4_tiny):
     """TARGET/DRAFT: each model is the one its own mode makes, and the output is the target's."""
     pair = load_pair("tiny", dtype="float32", weights_mode="int8/int4")
@@ -146,7 +182,7 @@ def test_a_draft_runs_in_a_mode_of_its_own(int8_tiny, int4_tiny):
             assert list(engine.generate(pair.encode(text), 24).output_ids) == hf_greedy(int8_tiny, pair.encode(text), 24)
 
 
-@NEEDS_INT4
+@NEEDS_KERNELS
 def test_int4_pure_runs_every_layer_in_4_bit_groups(int4_tiny):
     """On a float checkpoint int4 and int4-pure are one model; on SmolLM2's GGUF, whose tied
     head is stored as Q8_0 (int8 under int4), int4-pure is another. A layer-prefix draft
@@ -163,7 +199,7 @@ def test_int4_pure_runs_every_layer_in_4_bit_groups(int4_tiny):
         load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="int8/int4")
 
 
-@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_INT4)])
+@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_KERNELS)])
 def test_quantized_engine_matches_hf_greedy_under_every_policy(mode, request):
     pair = request.getfixturevalue(f"{mode}_tiny")
     oracle = {text: hf_greedy(pair, pair.encode(text), 24) for text in TEXTS}

@@ -1,0 +1,137 @@
+"""``--weights auto`` for a quantized checkpoint: the fastest mode on the CPU at hand, by
+measurement.
+
+Every mode's rows are exact (``rakv.weights``), so among the modes a GGUF file with
+quantized tensors can run as (fp32: the file dequantized; int8; int4: its 4-bit tensors as
+stored, where it has them) the choice is one of speed, and speed turns on the CPU: on an
+AVX-512 VNNI machine int4 streams the fewest bytes at full rate, while on one whose
+kernels run the portable loop fp32's oneDNN layers win. A float checkpoint stays fp32
+(quantizing it would be another, lossier model than the one given).
+
+What is timed: the pair's own Linear layers, one of each kind (input and output width,
+and how the mode runs it), in each candidate mode's forward, over 1 row and over 9 (a
+decode step and a verification of 8 drafted tokens), one call each after a warm-up, the
+median of ``REPEATS``. A mode's cost is each kind's 1-row plus 9-row time times how many
+layers of that kind the pair has. The Linear layers are what differ between the modes; the
+rest of a forward (attention, norms) costs alike. It is not the calibration's timing of
+each mode, which would load and calibrate the pair once per mode (minutes, and the Qwen
+pair's 8 GB in fp32 for each): this takes seconds on the layers already loaded.
+
+Results are cached per machine, kernel path and checkpoint as JSON under
+``<cache root>/weights-choice/``; the choice and its figures are printed once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+from rakv.weights import FP32, INT4, INT8
+
+REPEATS = 5  # timed calls per layer kind and row count
+ROWS = (1, 9)  # a decode step, a verification of 8 drafted tokens
+
+
+def candidates(four_bit: bool, quantized: bool) -> tuple[str, ...]:
+    """The modes auto chooses among: int4 only where the file holds 4-bit tensors (else it
+    would quantize floats to 4 bits), int8 and fp32 for any quantized file."""
+    if not quantized:
+        return (FP32,)
+    return (INT4, INT8, FP32) if four_bit else (INT8, FP32)
+
+
+def fastest_mode(models, stored: list[dict], modes: tuple[str, ...], key: str) -> str:
+    """The mode of ``modes`` whose Linear layers of ``models`` (each with its
+    ``rakv.gguf_groups.stored_linears``) cost least here, measured once per ``key`` (the
+    checkpoint's fingerprints) and cached."""
+    if len(modes) == 1:
+        return modes[0]
+    costs = _cached_costs(models, stored, modes, key)
+    best = min(modes, key=costs.get)
+    figures = ", ".join(f"{mode} {1e3 * costs[mode]:.1f} ms" for mode in sorted(modes, key=costs.get))
+    print(f"weights auto: {best} (Linear layers of a step and a 9-token forward on this CPU: {figures})",
+          file=sys.stderr)
+    return best
+
+
+def _cached_costs(models, stored, modes, key) -> dict[str, float]:
+    from rakv.calibrate import machine_id
+    from rakv.kernels import kernel_or_none, path_here
+    from rakv.model_files import cache_root
+    library = kernel_or_none()
+    path = path_here() if library is not None else "none"
+    name = hashlib.blake2b(f"{key}|{','.join(modes)}|{path}|{getattr(library, '_name', '')}".encode(),
+                           digest_size=8).hexdigest()
+    cached = cache_root() / "weights-choice" / f"{machine_id()}-{name}.json"
+    try:
+        costs = json.loads(cached.read_text())
+        if set(costs) == set(modes):
+            return costs
+    except (OSError, ValueError):
+        pass  # not measured yet, or a damaged file: measured again
+    costs = {mode: mode_cost(models, stored, mode) for mode in modes}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".tmp")
+    partial.write_text(json.dumps(costs))
+    partial.replace(cached)
+    return costs
+
+
+def mode_cost(models, stored: list[dict], mode: str) -> float:
+    """Seconds of one 1-row and one 9-row forward of every Linear layer of ``models`` in
+    ``mode``, one layer of each kind timed (``layer_kinds``)."""
+    total = 0.0
+    for (in_features, _, _), (make, count) in layer_kinds(models, stored, mode).items():
+        forward = make()
+        total += count * sum(_median_s(forward, rows, in_features) for rows in ROWS)
+    return total
+
+
+def layer_kinds(models, stored: list[dict], mode: str) -> dict[tuple[int, int, str], tuple[Callable, int]]:
+    """(input width, output width, how ``mode`` runs it) -> (a maker of that forward for
+    one such layer, how many layers of ``models`` are of that kind)."""
+    import torch
+    kinds: dict = {}
+    for model, held in zip(models, stored):
+        if model is None:
+            continue
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not None:
+                how, make = _how(mode, module, held.get(name))
+                kind = (module.in_features, module.out_features, how)
+                first, count = kinds.get(kind, (make, 0))
+                kinds[kind] = (first, count + 1)
+    return kinds
+
+
+def _how(mode: str, module, source) -> tuple[str, Callable]:
+    """How ``mode`` runs a Linear (``rakv.weights.quantize_linears``' rules: in int4 a
+    stored 4-bit tensor as stored, a 5-8 bit one in int8, a float one in 4-bit groups),
+    and a maker of that forward."""
+    from rakv import int4
+    from rakv.cpu_linear import PackedForward
+    from rakv.gguf_groups import PLAIN
+    from rakv.weights import Int8Forward
+    if mode == FP32:
+        return FP32, lambda: PackedForward(module)
+    if mode == INT4 and isinstance(source, int4.GroupedWeight):
+        return f"int4:{source.source}", lambda: int4.Int4Forward(module, source)
+    if mode == INT4 and (source is None or source in PLAIN) and int4.packable(module.weight.shape):
+        return "int4:float", lambda: int4.Int4Forward(module, int4.quantize_groups(module.weight))
+    return INT8, lambda: Int8Forward(module)
+
+
+def _median_s(forward, rows: int, in_features: int) -> float:
+    import torch
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        forward(x)  # warm-up: caches, the kernel's first call
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            forward(x)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
