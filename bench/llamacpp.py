@@ -5,6 +5,7 @@
     python -m bench.llamacpp --weights int4 --code 2 --prose 1
     python -m bench.llamacpp --pair smollm2 --fixed ngram-k4   # no draft GGUF: no llama-speculative
     python -m bench.llamacpp --weights int8,int8/int4-pure --llama lookup   # the draft in its own mode
+    python -m bench.llamacpp --build --isa avx2 && python -m bench.llamacpp --isa avx2   # as on an AVX2 CPU
 
 ``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
 takes the llama.cpp it vendors and builds ``llama-completion``, ``llama-speculative`` and
@@ -53,18 +54,23 @@ CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TES
             # SIGILL at its first tile instruction; the x86 flags the CPU has, AMX left out.
             "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 # /proc/cpuinfo flag -> ggml's CMake option, turned on where the CPU has the flag
+NATIVE, AVX2 = "native", "avx2"  # --isa: the CPU's own features, or AVX2's alone (an AVX2 CPU on a newer one)
+AVX2_FLAGS = {"avx", "avx2", "fma", "f16c"}
 X86_OPTIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
                "avx_vnni": "GGML_AVX_VNNI", "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
                "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
 
 
-def cpu_options() -> list[str]:
-    """``-DGGML_<X>=ON|OFF`` for each x86 feature ggml can use, from /proc/cpuinfo."""
+def cpu_options(isa: str = NATIVE) -> list[str]:
+    """``-DGGML_<X>=ON|OFF`` for each x86 feature ggml can use, from /proc/cpuinfo (for
+    ``--isa avx2`` only AVX2's: AVX, AVX2, FMA, F16C)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ["-DGGML_NATIVE=ON"]  # not Linux: let the compiler detect the CPU
     flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
+    if isa == AVX2:
+        flags &= AVX2_FLAGS
     return [f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in X86_OPTIONS.items()]
 
 
@@ -73,11 +79,21 @@ def build_root() -> Path:
     return cache_root() / f"llama.cpp-{VERSION}"
 
 
-def binary(name: str) -> Path:
-    return build_root() / "build" / "bin" / name
+def binary(name: str, isa: str = NATIVE) -> Path:
+    return build_root() / ("build" if isa == NATIVE else f"build-{isa}") / "bin" / name
 
 
-def build(jobs: int = 1) -> None:
+def cap_at_avx2() -> None:
+    """This process's kernels as an AVX2 CPU runs them: the project's (RAKV_KERNEL_PATH),
+    torch's (ATEN_CPU_CAPABILITY) and oneDNN's, fp32's Linear layers (ONEDNN_MAX_CPU_ISA).
+    Before torch is imported: it reads them once."""
+    import os
+    os.environ["RAKV_KERNEL_PATH"] = "avx2"
+    os.environ["ATEN_CPU_CAPABILITY"] = "avx2"
+    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+
+
+def build(jobs: int = 1, isa: str = NATIVE) -> None:
     """Download the sdist, extract its vendored llama.cpp, build the three tools."""
     root = build_root()
     source = root / "src"
@@ -96,15 +112,15 @@ def build(jobs: int = 1) -> None:
                     m.name = m.name[len(prefix):]
                 tar.extractall(partial, members=members, filter="data")
             partial.replace(source)
-    print(f"building {', '.join(BINARIES)} in {root / 'build'} with {jobs} job(s): about 10 min on one core",
-          file=sys.stderr)
-    subprocess.run(["cmake", "-S", str(source), "-B", str(root / "build"), *CPU_ONLY, *cpu_options()], check=True,
+    out = binary(BINARIES[0], isa).parent.parent
+    print(f"building {', '.join(BINARIES)} in {out} with {jobs} job(s): about 10 min on one core", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(out), *CPU_ONLY, *cpu_options(isa)], check=True,
                    stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(root / "build"), "-j", str(jobs), "--target", *BINARIES], check=True)
-    missing = [name for name in BINARIES if not binary(name).is_file()]
+    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *BINARIES], check=True)
+    missing = [name for name in BINARIES if not binary(name, isa).is_file()]
     if missing:
         raise OSError(f"the build made no {', '.join(missing)}")
-    print(f"built: {binary(BINARIES[0]).parent}", file=sys.stderr)
+    print(f"built: {binary(BINARIES[0], isa).parent}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -128,11 +144,11 @@ def _timing_s(pattern: str, log: str) -> float:
 
 
 def llama_run(tool: str, target: Path, draft: Path | None, prompt: str, num_tokens: int,
-              extra: tuple[str, ...] = ()) -> Run:
+              extra: tuple[str, ...] = (), isa: str = NATIVE) -> Run:
     """Run one llama.cpp tool greedily on one thread; its own prompt + generation time."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
-    args = [str(binary(tool)), "-m", str(target), "-f", f.name, "-n", str(num_tokens), "-t", "1", "-tb", "1",
+    args = [str(binary(tool, isa)), "-m", str(target), "-f", f.name, "-n", str(num_tokens), "-t", "1", "-tb", "1",
             "--temp", "0", "--top-k", "1", "--seed", "0", "-c", "2048", "--ignore-eos", *extra]
     if tool == "llama-completion":
         args += ["-no-cnv", "--no-display-prompt"]
@@ -196,9 +212,10 @@ def bench(args) -> int:
     from rakv import kernels, model_files
     from rakv.calibrate import load_or_calibrate
     from rakv.models import load_pair
-    missing = [name for name in BINARIES if not binary(name).is_file()]
+    missing = [name for name in BINARIES if not binary(name, args.isa).is_file()]
     if missing:
-        raise OSError(f"llama.cpp is not built ({missing[0]} missing): run python -m bench.llamacpp --build")
+        build_command = "python -m bench.llamacpp --build" + ("" if args.isa == NATIVE else f" --isa {args.isa}")
+        raise OSError(f"llama.cpp is not built ({missing[0]} missing): run {build_command}")
     target, draft = (None if name is None else model_files.resolve(name) for name in GGUFS[args.pair])
     modes = args.weights.split(",")
     pairs = {mode: load_pair(args.pair, weights_mode=mode) for mode in modes}
@@ -227,7 +244,7 @@ def bench(args) -> int:
             text = pairs[modes[0]].decode(ids)
             greedy = None
             for name, (tool, drafter, extra) in llama.items():
-                run = llama_run(tool, target, drafter, text, args.max_new_tokens, extra)
+                run = llama_run(tool, target, drafter, text, args.max_new_tokens, extra, args.isa)
                 if greedy is None:  # the first is plain greedy, the reference
                     greedy, llama_info = run.text, run.system_info
                 else:  # a speculative tool may run past -n: its output must start with greedy's
@@ -271,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", choices=sorted(GGUFS), default="qwen-coder")
     p.add_argument("--build", action="store_true", help="build llama.cpp (once, outside the repository) and exit")
     p.add_argument("--jobs", type=int, default=1, help="build jobs (default: 1)")
+    p.add_argument("--isa", choices=(NATIVE, AVX2), default=NATIVE,
+                   help="native: llama.cpp built for this CPU's features, this engine on its fastest kernel path; "
+                        "avx2: both as an AVX2 CPU runs them (llama.cpp built for AVX2 alone, into its own "
+                        "directory; this engine's kernels, torch's and oneDNN's capped at AVX2), to measure an "
+                        "AVX2 machine on a newer one (default: native)")
     p.add_argument("--code", type=int, default=6, help="HumanEval prompts (default: 6)")
     p.add_argument("--prose", type=int, default=4, help="prose prompts (default: 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -287,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--llama takes {', '.join(LLAMA_TOOLS)}; got {', '.join(sorted(unknown))}")
     try:
         if args.build:
-            build(args.jobs)
+            build(args.jobs, args.isa)
             return 0
+        if args.isa == AVX2:
+            cap_at_avx2()
         return bench(args)
     except (ValueError, OSError, subprocess.CalledProcessError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -39,6 +39,8 @@ from rakv.weights import FP32
 # library in every mode, rakv.layer_kernel; the quantized modes' key names the library).
 CALIBRATION_VERSION = 11
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
+PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
+PRIORS_BUDGET_S = 10.0  # about what the priors' decode steps may take (Qwen 1.5B fp32: 0.45 s a step)
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -52,7 +54,7 @@ def machine_id() -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def acceptance_priors(pair: ModelPair, num_tokens: int = 16) -> tuple[float, float]:
+def acceptance_priors(pair: ModelPair, num_tokens: int = PRIOR_TOKENS) -> tuple[float, float]:
     """(draft model, ngram) agreement with the target's greedy continuations of built-in
     prompts: the fraction of positions whose next token the drafter proposes correctly."""
     draft_agree, ngram_agree = [], []
@@ -93,8 +95,16 @@ def calibrate(pair: ModelPair) -> PairTimings:
             if fast is None:  # the later passes time again only what the first timed quickly
                 fast = [_key(row) for row in rows if row.seconds < SLOW_POINT_S]
         progress.set_postfix_str("acceptance priors")
-        priors = acceptance_priors(pair)
+        step_s = float(np.median([r.seconds for r in rows if r.model == "target" and r.op == "decode"] or [0.0]))
+        priors = acceptance_priors(pair, prior_tokens(step_s))
     return fit_timings(rows, *priors)
+
+
+def prior_tokens(step_s: float) -> int:
+    """Tokens of each sample prompt's continuation the priors take: 16, fewer where a step
+    is slow (each is a decode step of the target), so that they take about PRIORS_BUDGET_S."""
+    fit = int(PRIORS_BUDGET_S / (len(SAMPLE_PROMPTS) * step_s)) if step_s > 0 else PRIOR_TOKENS
+    return max(MIN_PRIOR_TOKENS, min(PRIOR_TOKENS, fit))
 
 
 def _key(row) -> tuple:

@@ -26,12 +26,13 @@ NEEDS_KERNELS = pytest.mark.skipif(_KERNEL_PROBLEM is not None, reason=str(_KERN
 
 
 def kernel_paths() -> list:
-    """Every kernel path this CPU runs, as pytest params named by path (none where the
-    library cannot be built)."""
+    """Every kernel path, as pytest params named by path: those this CPU lacks (or all,
+    where the library cannot be built) skipped with the reason."""
     from rakv import kernels
-    if _KERNEL_PROBLEM is not None:
-        return []
-    return [pytest.param(path, id=kernels.PATHS[path]) for path in kernels.paths_here()]
+    here = () if _KERNEL_PROBLEM is not None else kernels.paths_here()
+    return [pytest.param(path, id=name, marks=() if path in here else pytest.mark.skip(
+                reason=_KERNEL_PROBLEM or f"this CPU has no {name} path (its fastest: {kernels.PATHS[here[-1]]})"))
+            for path, name in enumerate(kernels.PATHS)]
 
 
 def hf_greedy(pair, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
