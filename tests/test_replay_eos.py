@@ -55,7 +55,9 @@ def trace(tmp_path_factory):
         patch.setattr(rakv.models, "load_pair", full_depth_draft)
         patch.setattr(rakv.calibrate, "load_or_calibrate", lambda pair, refresh=False: CHEAP_DRAFT)
         out = directory / "trace"
-        assert main(["--pair", "smollm2", "--workload", str(prompts), "--max-new-tokens", "16", "--runs-sample", "3",
+        # fp32: the mode this case was found in (auto's pick depends on the machine)
+        assert main(["--pair", "smollm2", "--weights", "fp32", "--workload", str(prompts), "--max-new-tokens", "16",
+                     "--runs-sample", "3",
                      "--runs-max-new-tokens", "16", "--runs-max-wait-s", "0", "--skip", "ops", "--out", str(out)]) == 0
     return out
 
