@@ -46,7 +46,8 @@
 
 #define GROUP 32
 #define TILE 12  /* 2 x 12 accumulators in registers; 12 over 8 rows: a 9-token forward 0.85-0.88x */
-#define TILE256 9  /* the 256-bit paths: 9 accumulators (a half at a time), a verification of 8 */
+#define TILE256 9  /* the 256-bit paths: 9 rows (a half at a time), a verification of 8 ... */
+#define BOTH_ROWS 4  /* ... or up to 4 rows, both halves at once */
 
 /* An f16 value as a float: exact (every f16 value is a float). */
 static float from_f16(uint16_t h) {

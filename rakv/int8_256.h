@@ -14,27 +14,28 @@ __attribute__((target(TARGET), always_inline))
 static inline void JOIN(block8_256_rows, SUFFIX)(const int8_t *packed, const int32_t *colsum, const float *w_scale,
                                                  const float *bias, const uint8_t *xu, const float *x_scale, int k,
                                                  const int rows, float *y, int n) {
-    /* A half at a time over all of k, one register of sums a row: both halves' sums of
-     * every row would not fit the 16 registers beside the weights. The second half reads
-     * the block again from cache (k x 16 bytes: 24 KiB at 1536 inputs, 140 at 8960). */
-    for (int h = 0; h < 2; h++) {
-        __m256i dot[TILE8_256];
-        for (int r = 0; r < rows; r++) dot[r] = _mm256_setzero_si256();
-        for (int j = 0; j < k / 4; j++) {
-            const int8_t *w = packed + (int64_t)j * 64;
-            if (h == 0) _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
-            __m256i weights = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
-            __m256i magnitudes = _mm256_abs_epi8(weights);  /* unused where DOT_ADD takes xu as it is */
-            for (int r = 0; r < rows; r++) {
-                int32_t four;
-                memcpy(&four, xu + (int64_t)r * k + 4 * j, 4);
-                DOT_ADD(dot[r], _mm256_set1_epi32(INPUTS(four)), weights, magnitudes);
-            }
+    __m256i dot[TILE8_256][2];
+    for (int r = 0; r < rows; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int j = 0; j < k / 4; j++) {
+        const int8_t *w = packed + (int64_t)j * 64;
+        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        __m256i weights[2], magnitudes[2];
+        for (int h = 0; h < 2; h++) {
+            weights[h] = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+            magnitudes[h] = _mm256_abs_epi8(weights[h]);  /* unused where DOT_ADD takes xu as it is */
         }
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, xu + (int64_t)r * k + 4 * j, 4);
+            __m256i inputs = _mm256_set1_epi32(INPUTS(four));
+            for (int h = 0; h < 2; h++) DOT_ADD(dot[r][h], inputs, weights[h], magnitudes[h]);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
         __m256i offset = OFFSET(colsum + 8 * h);
         __m256 scale = _mm256_loadu_ps(w_scale + 8 * h);
         for (int r = 0; r < rows; r++)
-            finish8_8(dot[r], offset, scale, x_scale[r], bias ? bias + 8 * h : NULL, y + (int64_t)r * n + 8 * h);
+            finish8_8(dot[r][h], offset, scale, x_scale[r], bias ? bias + 8 * h : NULL, y + (int64_t)r * n + 8 * h);
     }
 }
 
@@ -45,7 +46,7 @@ static void JOIN(block8_256, SUFFIX)(const int8_t *packed, const int32_t *colsum
                                      float *y, int n) {
     switch (rows) {
 #define ROWS(R) case R: JOIN(block8_256_rows, SUFFIX)(packed, colsum, w_scale, bias, xu, x_scale, k, R, y, n); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10)
+        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
 #undef ROWS
     }
 }

@@ -24,7 +24,7 @@
 
 #define TINY 1e-30f
 #define TILE8 16  /* rows per weight load: one accumulator each, no per-group epilogue */
-#define TILE8_256 10  /* the 256-bit paths: 10 accumulators, a half at a time */
+#define TILE8_256 6  /* the 256-bit paths: 2 x 6 accumulators */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma"), always_inline)) static inline
 
 static void quantize_rows8(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
