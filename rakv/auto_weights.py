@@ -108,20 +108,14 @@ def layer_kinds(models, stored: list[dict], mode: str) -> dict[tuple[int, int, s
 
 
 def _how(mode: str, module, source) -> tuple[str, Callable]:
-    """How ``mode`` runs a Linear (``rakv.weights.quantize_linears``' rules: in int4 a
-    stored 4-bit tensor as stored, a 5-8 bit one in int8, a float one in 4-bit groups),
-    and a maker of that forward."""
-    from rakv import int4
+    """How ``mode`` runs a Linear (fp32: oneDNN's packed layer; the others:
+    ``rakv.weights.linear_forward``, the rules the loaded model follows), and a maker of
+    that forward."""
     from rakv.cpu_linear import PackedForward
-    from rakv.gguf_groups import PLAIN
-    from rakv.weights import Int8Forward
+    from rakv.weights import linear_forward
     if mode == FP32:
         return FP32, lambda: PackedForward(module)
-    if mode == INT4 and isinstance(source, int4.GroupedWeight):
-        return f"int4:{source.source}", lambda: int4.Int4Forward(module, source)
-    if mode == INT4 and (source is None or source in PLAIN) and int4.packable(module.weight.shape):
-        return "int4:float", lambda: int4.Int4Forward(module, int4.quantize_groups(module.weight))
-    return INT8, lambda: Int8Forward(module)
+    return linear_forward(mode, module, source)
 
 
 def _median_s(forward, rows: int, in_features: int) -> float:

@@ -29,7 +29,7 @@ from rakv.kernels import kernel_or_none, path_here
 from rakv.kv_cache import GrowingCache
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
-from rakv.op_timing import CALIBRATION_GRID, OP_KEY_FIELDS, measure_pair
+from rakv.op_timing import CALIBRATION_GRID, measure_pair
 from rakv.settings import settings_from_json, settings_to_json
 from rakv.weights import FP32
 
@@ -93,7 +93,7 @@ def calibrate(pair: ModelPair) -> PairTimings:
                 rows.append(row)
                 progress.update()
             if fast is None:  # the later passes time again only what the first timed quickly
-                fast = [_key(row) for row in rows if row.seconds < SLOW_POINT_S]
+                fast = [row.key for row in rows if row.seconds < SLOW_POINT_S]
         progress.set_postfix_str("acceptance priors")
         step_s = float(np.median([r.seconds for r in rows if r.model == "target" and r.op == "decode"] or [0.0]))
         priors = acceptance_priors(pair, prior_tokens(step_s))
@@ -105,10 +105,6 @@ def prior_tokens(step_s: float) -> int:
     is slow (each is a decode step of the target), so that they take about PRIORS_BUDGET_S."""
     fit = int(PRIORS_BUDGET_S / (len(SAMPLE_PROMPTS) * step_s)) if step_s > 0 else PRIOR_TOKENS
     return max(MIN_PRIOR_TOKENS, min(PRIOR_TOKENS, fit))
-
-
-def _key(row) -> tuple:
-    return tuple(getattr(row, name) for name in OP_KEY_FIELDS)
 
 
 def calibration_path(pair: ModelPair) -> Path:

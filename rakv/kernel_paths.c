@@ -42,13 +42,17 @@ int rakv_path(int requested) {
     return path < 0 || path > rakv_cpu_path() ? rakv_cpu_path() : path;
 }
 
-int rakv_vnni256_vex(void) {
+int rakv_vnni256_vex(void) {  /* asked by every Linear call: read once */
+    static int vex = -1;
+    if (vex < 0) {
 #if defined(__x86_64__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avxvnni");
+        __builtin_cpu_init();
+        vex = __builtin_cpu_supports("avxvnni") != 0;
 #else
-    return 0;
+        vex = 0;
 #endif
+    }
+    return vex;
 }
 
 int8_t *rakv_scratch(size_t needed) {

@@ -35,6 +35,11 @@ class OpRow:
     seconds: float
     probe_s: float | None = None  # the machine's speed beside it (a recording's ``MachineSpeed``)
 
+    @property
+    def key(self) -> tuple:
+        """The row's ``OP_KEY_FIELDS``, in order."""
+        return tuple(getattr(self, name) for name in OP_KEY_FIELDS)
+
 
 @dataclass(frozen=True)
 class OpGrid:
@@ -115,7 +120,7 @@ class PointTimer:
 
     def __call__(self, fn: Callable[[], object], **row) -> Iterator[OpRow]:
         keys = [tuple({**row, "repeat": i}[c] for c in OP_KEY_FIELDS) for i in self.repeats]
-        if all(key in self.done for key in keys) or (self.only is not None and not self.only.intersection(keys)):
+        if all(key in self.done for key in keys):
             return
         for i, repeat in enumerate(self.repeats):
             if self.only is not None and keys[i] not in self.only:

@@ -66,7 +66,7 @@ import dataclasses
 import hashlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rakv.kernels import LANES, KernelUnavailable, kernel, kernel_forward  # import no torch either
 
@@ -173,7 +173,7 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
     shared with another model (a layer-prefix draft's) are quantized once."""
     import torch
     from rakv import int4
-    from rakv.gguf_groups import PLAIN, StoredRows
+    from rakv.gguf_groups import StoredRows
     plan = []
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -185,22 +185,33 @@ def quantize_linears(model, mode: str, stored: dict) -> tuple[str, ...]:
             if not isinstance(module, torch.nn.Linear):
                 continue
             if "_rakv_quantized" not in vars(module):
-                source = stored.get(name)
-                four_bit = mode in FOUR_BIT
-                if four_bit and isinstance(source, int4.GroupedWeight):
-                    forward = int4.Int4Forward(module, source)
-                elif mode == INT4 and source not in PLAIN and source is not None:
-                    forward = Int8Forward(module)  # 5-8 bits: int8 keeps what the file holds
-                elif four_bit and int4.packable(module.weight.shape):
-                    forward = int4.Int4Forward(module, int4.quantize_groups(module.weight))
-                else:
-                    forward = Int8Forward(module)
-                module.forward = module._rakv_quantized = forward
+                _, make = linear_forward(mode, module, stored.get(name))
+                module.forward = module._rakv_quantized = make()
                 module.register_parameter("weight", None)
                 module.register_parameter("bias", None)
             forward = module._rakv_quantized
             plan.append(f"{name}={'int4:' + forward.source if isinstance(forward, int4.Int4Forward) else INT8}")
     return tuple(plan)
+
+
+def linear_forward(mode: str, module, source) -> tuple[str, Callable[[], object]]:
+    """How the quantized ``mode`` runs a Linear its checkpoint stores as ``source`` (a
+    ``rakv.gguf_groups.stored_linears`` value, or None): its plan entry ("int8",
+    "int4:Q4_K", "int4:float"), and a maker of that forward. In int4 and int4-pure a
+    stored 4-bit tensor runs as stored; in int4 a 5-8 bit one in int8 (4 bits would lose
+    what the file holds); in both a float one (int4-pure: any other) in 4-bit groups
+    where its shape allows; the rest in int8."""
+    from rakv import int4
+    from rakv.gguf_groups import PLAIN
+    four_bit = mode in FOUR_BIT
+    if four_bit and isinstance(source, int4.GroupedWeight):
+        return f"int4:{source.source}", lambda: int4.Int4Forward(module, source)
+    int8 = (INT8, lambda: Int8Forward(module))
+    if mode == INT4 and source is not None and source not in PLAIN:
+        return int8  # 5-8 bits: int8 keeps what the file holds
+    if four_bit and int4.packable(module.weight.shape):
+        return "int4:float", lambda: int4.Int4Forward(module, int4.quantize_groups(module.weight))
+    return int8
 
 
 def choose_weights(choice: str, stored: list[dict], models, key: str = "") -> str:
