@@ -48,7 +48,7 @@ def int4_tiny():
 QUANTIZED = {INT8: Int8Forward, INT4: lambda linear: Int4Forward(linear, quantize_groups(linear.weight))}
 
 
-@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_KERNELS)])
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=NEEDS_KERNELS) for mode in (INT8, INT4)])
 @pytest.mark.parametrize("kind", sorted(linear_kinds("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
                                         | TINY_LINEAR_KINDS))
 def test_quantized_rows_are_bit_identical_for_1_to_32_rows(kind, mode):
@@ -199,7 +199,7 @@ def test_int4_pure_runs_every_layer_in_4_bit_groups(int4_tiny):
         load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="int8/int4")
 
 
-@pytest.mark.parametrize("mode", [INT8, pytest.param(INT4, marks=NEEDS_KERNELS)])
+@pytest.mark.parametrize("mode", [pytest.param(mode, marks=NEEDS_KERNELS) for mode in (INT8, INT4)])
 def test_quantized_engine_matches_hf_greedy_under_every_policy(mode, request):
     pair = request.getfixturevalue(f"{mode}_tiny")
     oracle = {text: hf_greedy(pair, pair.encode(text), 24) for text in TEXTS}
@@ -211,10 +211,12 @@ def test_quantized_engine_matches_hf_greedy_under_every_policy(mode, request):
 
 @pytest.fixture(scope="module", params=[INT8, "auto"])
 def quantized_smollm2(request):
-    """SmolLM2 in int8, and in auto: int4, its Q4_1 groups as the GGUF stores them."""
+    """SmolLM2 in int8, and in auto: int4 (its Q4_1 groups as the GGUF stores them) or int8,
+    whichever is faster here."""
     return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=request.param)
 
 
+@NEEDS_KERNELS
 @pytest.mark.slow
 def test_smollm2_quantized_forward_rows_never_mix(quantized_smollm2):
     """A verification forward over 6 tokens equals 6 one-token steps, and a prompt prefilled
@@ -232,6 +234,7 @@ def test_smollm2_quantized_forward_rows_never_mix(quantized_smollm2):
     assert torch.equal(steps, whole)
 
 
+@NEEDS_KERNELS
 @pytest.mark.slow
 @pytest.mark.parametrize("policy_name", ["spec-k8", "joint-ngram-k8", "rakv"])
 def test_smollm2_quantized_matches_hf_greedy_and_rounds_replay(quantized_smollm2, policy_name):
