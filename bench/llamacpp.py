@@ -6,11 +6,13 @@
     python -m bench.llamacpp --pair smollm2 --fixed ngram-k4   # no draft GGUF: no llama-speculative
     python -m bench.llamacpp --weights int8,int8/int4-pure --llama lookup   # the draft in its own mode
     python -m bench.llamacpp --build --isa avx2 && python -m bench.llamacpp --isa avx2   # as on an AVX2 CPU
+    python -m bench.llamacpp --build-server           # llama-server too, for python -m bench.serve --llama-server
 
 ``--build`` downloads the llama-cpp-python 0.3.36 source (``pip download --no-binary :all:``),
 takes the llama.cpp it vendors and builds ``llama-completion``, ``llama-speculative`` and
 ``llama-lookup`` with one job into ``<cache root>/llama.cpp-0.3.36`` (``rakv.model_files``),
-outside the repository. Tests never build it.
+outside the repository; ``--build-server`` builds ``llama-server`` into the same directory
+(sharing the library's objects with the tools). Tests never build it.
 
 Then, in lockstep (each prompt under every configuration before the next prompt), one
 thread each:
@@ -46,13 +48,17 @@ from pathlib import Path
 VERSION = "0.3.36"
 GGUFS = {"qwen-coder": ("qwen-coder-1.5b", "qwen-coder-0.5b"), "smollm2": ("smollm2", None)}  # target, draft
 BINARIES = ("llama-completion", "llama-speculative", "llama-lookup")
+SERVER = "llama-server"  # built by --build-server, run by bench.serve --llama-server (bench.llama_server)
 LLAMA_TOOLS = {"lookup": "llama-lookup", "speculative": "llama-speculative"}  # --llama's names
 DRAFT_MAX = (2, 4, 8, 16)  # llama-speculative's --spec-draft-n-max values tried besides its default (3)
-CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+CPU_ONLY = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
             "-DGGML_OPENMP=OFF", "-DBUILD_SHARED_LIBS=OFF",
             # Not GGML_NATIVE: on this machine it also compiles ggml's AMX path, which dies of
             # SIGILL at its first tile instruction; the x86 flags the CPU has, AMX left out.
             "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+# The server's targets are configured (so --build and --build-server share one configuration
+# and neither rebuilds the other's objects); only the targets asked for are built.
+GENERATOR = "Unix Makefiles"  # not Ninja: on this machine it looped on "manifest still dirty"
 # /proc/cpuinfo flag -> ggml's CMake option, turned on where the CPU has the flag
 NATIVE, AVX2 = "native", "avx2"  # --isa: the CPU's own features, or AVX2's alone (an AVX2 CPU on a newer one)
 AVX2_FLAGS = {"avx", "avx2", "fma", "f16c"}
@@ -93,8 +99,16 @@ def cap_at_avx2() -> None:
     os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
 
 
-def build(jobs: int = 1, isa: str = NATIVE) -> None:
-    """Download the sdist, extract its vendored llama.cpp, build the three tools."""
+def configure_command(source: Path, out: Path, isa: str = NATIVE) -> list[str]:
+    """CMake's configure step; the generator only for a new build directory (CMake refuses
+    to change the generator of an existing one)."""
+    generator = [] if (out / "CMakeCache.txt").is_file() else ["-G", GENERATOR]
+    return ["cmake", "-S", str(source), "-B", str(out), *generator, *CPU_ONLY, *cpu_options(isa)]
+
+
+def build(jobs: int = 1, isa: str = NATIVE, targets: tuple[str, ...] = BINARIES) -> None:
+    """Download the sdist, extract its vendored llama.cpp, build ``targets`` (the three
+    tools, or ``(SERVER,)``)."""
     root = build_root()
     source = root / "src"
     if not (source / "CMakeLists.txt").is_file():
@@ -112,15 +126,14 @@ def build(jobs: int = 1, isa: str = NATIVE) -> None:
                     m.name = m.name[len(prefix):]
                 tar.extractall(partial, members=members, filter="data")
             partial.replace(source)
-    out = binary(BINARIES[0], isa).parent.parent
-    print(f"building {', '.join(BINARIES)} in {out} with {jobs} job(s): about 10 min on one core", file=sys.stderr)
-    subprocess.run(["cmake", "-S", str(source), "-B", str(out), *CPU_ONLY, *cpu_options(isa)], check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *BINARIES], check=True)
-    missing = [name for name in BINARIES if not binary(name, isa).is_file()]
+    out = binary(targets[0], isa).parent.parent
+    print(f"building {', '.join(targets)} in {out} with {jobs} job(s): 10-15 min on one core", file=sys.stderr)
+    subprocess.run(configure_command(source, out, isa), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *targets], check=True)
+    missing = [name for name in targets if not binary(name, isa).is_file()]
     if missing:
         raise OSError(f"the build made no {', '.join(missing)}")
-    print(f"built: {binary(BINARIES[0], isa).parent}", file=sys.stderr)
+    print(f"built: {binary(targets[0], isa).parent}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -287,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--pair", choices=sorted(GGUFS), default="qwen-coder")
     p.add_argument("--build", action="store_true", help="build llama.cpp (once, outside the repository) and exit")
+    p.add_argument("--build-server", action="store_true",
+                   help=f"build llama.cpp's {SERVER} (for python -m bench.serve --llama-server) and exit")
     p.add_argument("--jobs", type=int, default=1, help="build jobs (default: 1)")
     p.add_argument("--isa", choices=(NATIVE, AVX2), default=NATIVE,
                    help="native: llama.cpp built for this CPU's features, this engine on its fastest kernel path; "
@@ -308,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--llama takes {', '.join(LLAMA_TOOLS)}; got {', '.join(sorted(unknown))}")
     try:
-        if args.build:
-            build(args.jobs, args.isa)
+        if args.build or args.build_server:
+            if args.build:
+                build(args.jobs, args.isa)
+            if args.build_server:
+                build(args.jobs, args.isa, (SERVER,))
             return 0
         if args.isa == AVX2:
             cap_at_avx2()

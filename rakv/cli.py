@@ -43,5 +43,29 @@ def add_precision_arguments(parser) -> None:
     parser.add_argument("--linear-kernels", choices=LINEAR_KERNELS, default="auto", help=LINEAR_KERNELS_HELP)
 
 
+def add_pair_arguments(parser, default_pair: str) -> None:
+    """What a command line runs (``rakv.generate``, ``rakv.serve``): ``--pair``, ``--policy``,
+    ``--strict``, ``--store``, ``--store-budget-mib``, ``--max-context``, the precision
+    arguments and ``--draft-layers``. Imports no torch."""
+    from rakv.models import BUILTIN_PAIRS
+    from rakv.policies import POLICY_HELP
+    from rakv.store_model import STORE_MODES
+    parser.add_argument("--pair", default=default_pair,
+                        help=f"{', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT] (HF name, directory or .gguf) "
+                             f"(default: {default_pair})")
+    parser.add_argument("--policy", default="rakv", help=f"{POLICY_HELP} (default: rakv)")
+    parser.add_argument("--strict", action="store_true",
+                        help="a learned policy trained for other models is an error, not a fallback to rakv")
+    parser.add_argument("--store", choices=STORE_MODES, default="full",
+                        help="what to keep for later requests: full sequence (default), prompt only (the paper), "
+                             "or off")
+    parser.add_argument("--store-budget-mib", type=float, default=512,
+                        help="prefix store byte budget (default: 512 MiB)")
+    parser.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
+    add_precision_arguments(parser)
+    parser.add_argument("--draft-layers", type=int, default=4,
+                        help="smollm2: layers of the self-speculative draft; 0: no draft model (default: 4)")
+
+
 def _one_line(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"

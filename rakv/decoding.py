@@ -37,6 +37,23 @@ def forward(model, cache: DynamicCache, token_ids: list[int], num_logits: int = 
     return out.logits[0, -num_logits:]
 
 
+@torch.inference_mode()
+def forward_many(model, caches: list, token_ids: list[list[int]], num_logits: list[int]) -> list[torch.Tensor | None]:
+    """``forward`` for several requests in one batched forward (``direct_forward.batched_logits``:
+    each request's rows get the bits a forward of them alone gives): request i's
+    ``token_ids[i]`` after ``caches[i]`` -> logits [num_logits[i], vocab], None for 0. A
+    model the direct forward does not take runs each request alone."""
+    plan = direct_forward.plan_of(model)
+    if plan is not None:
+        return direct_forward.batched_logits(plan, model, caches, token_ids, num_logits)
+    return [forward(model, cache, ids, n)[-n:] if n else _fed(model, cache, ids)
+            for cache, ids, n in zip(caches, token_ids, num_logits)]
+
+
+def _fed(model, cache, token_ids: list[int]) -> None:
+    forward(model, cache, token_ids)  # its logits are not wanted
+
+
 def greedy(logits: torch.Tensor) -> list[int]:
     """Argmax of each row of logits [T, vocab] (first index on ties, as torch.argmax)."""
     return logits.argmax(dim=-1).tolist()
@@ -93,18 +110,35 @@ def draft_propose(draft, draft_cache: DynamicCache, seq: list[int], k: int,
     HF's ``assistant_confidence_threshold``). The draft first catches up on the tokens
     of ``seq`` it has not seen (at least the last one); afterwards its cache holds
     seq + proposal[:-1]."""
-    logits = forward(draft, draft_cache, seq[draft_cache.get_seq_length():])
-    proposal, probs = greedy(logits), []
+    return draft_propose_many(draft, [draft_cache], [seq], [k], [stop_below])[0]
+
+
+def draft_propose_many(draft, caches: list, seqs: list[list[int]], ks: list[int],
+                       stop_belows: list[float]) -> list[tuple[list[int], list[float]]]:
+    """``draft_propose`` for several requests at once: each draft forward runs the rows of
+    every request still drafting (``forward_many``), so each request's proposal is the one
+    it makes alone."""
+    logits = forward_many(draft, caches, [seq[cache.get_seq_length():] for cache, seq in zip(caches, seqs)],
+                          [1] * len(caches))
+    proposals, probs = [greedy(row) for row in logits], [[] for _ in caches]
     while True:
-        if stop_below > 0:
-            probs.append(top1_prob(logits))
-            if probs[-1] < stop_below:
-                break
-        if len(proposal) >= k:
-            break
-        logits = forward(draft, draft_cache, proposal[-1:])
-        proposal += greedy(logits)
-    return proposal, probs
+        active = []
+        for i, row in enumerate(logits):
+            if row is None:
+                continue  # done in an earlier forward
+            if stop_belows[i] > 0:
+                probs[i].append(top1_prob(row))
+                if probs[i][-1] < stop_belows[i]:
+                    continue
+            if len(proposals[i]) < ks[i]:
+                active.append(i)
+        if not active:
+            return list(zip(proposals, probs))
+        fed = forward_many(draft, [caches[i] for i in active], [proposals[i][-1:] for i in active], [1] * len(active))
+        logits = [None] * len(caches)
+        for i, row in zip(active, fed):
+            logits[i] = row
+            proposals[i] += greedy(row)
 
 
 class DraftModelDrafter:
@@ -140,6 +174,14 @@ def speculative_round(target, drafter: Drafter, target_cache: DynamicCache, seq:
     else:
         proposal, probs = drafter.propose(seq, k), []
     logits = forward(target, target_cache, seq[-1:] + proposal, len(proposal) + 1)  # [len+1, vocab]
+    return verified_round(target_cache, drafter, seq, start, k, proposal, probs, logits, eos_ids)
+
+
+def verified_round(target_cache: DynamicCache, drafter: Drafter, seq: list[int], start: int, k: int,
+                   proposal: list[int], probs, logits: torch.Tensor, eos_ids: frozenset[int]) -> Round:
+    """The round ``proposal`` makes, given the target's logits [len(proposal) + 1, vocab]
+    over seq[-1:] + proposal: the target cache and the drafter rolled back past the first
+    mismatch."""
     target_ids = greedy(logits)
     accepted = num_accepted(proposal, target_ids, eos_ids)
     ended_on_eos = accepted > 0 and proposal[accepted - 1] in eos_ids

@@ -141,10 +141,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache,
-                  attention, extra: dict, kernel=None) -> torch.Tensor:
+def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attend: Callable, kernel=None) -> torch.Tensor:
     """One decoder layer: hidden [1, T, hidden] -> [1, T, hidden]; cos/sin [1, 1, T, head_dim];
-    ``kernel``: the C library, where the rotary embedding runs on it."""
+    ``attend(plan, query, key, value)``: the cache update and attention of the T rows
+    (``_attend``, or ``_attend_each`` for many requests' rows); ``kernel``: the C library,
+    where the rotary embedding runs on it."""
     residual = hidden
     x = plan.norm_in(hidden)
     shape = (*x.shape[:-1], -1, plan.head_dim)
@@ -160,9 +162,7 @@ def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin:
     else:
         query = (query * cos) + (rotate_half(query) * sin)
         key = (key * cos) + (rotate_half(key) * sin)
-    if cache is not None:
-        key, value = cache.update(key, value, plan.index, kwargs=extra)
-    out, _ = attention(plan.attention, query, key, value, mask, **plan.attention_kwargs, **extra)
+    out = attend(plan, query, key, value)  # [1, T, heads, head_dim]
     out = out.reshape(*x.shape[:-1], -1).contiguous()  # [1, T, heads * head_dim]
     hidden = residual + plan.o.forward(out)
     residual = hidden
@@ -174,24 +174,112 @@ def layer_forward(plan: LayerPlan, hidden: torch.Tensor, cos: torch.Tensor, sin:
     return residual + plan.down.forward(plan.act.forward(gate) * up)
 
 
-def logits(plan: ModelPlan, model, cache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
-    """ids [1, T] after the cache's positions -> logits [1, num_logits, vocab], as
-    ``model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=num_logits)``."""
+@dataclass(frozen=True)
+class _Rows:
+    """One request's rows in a forward: where they lie, and what HF's layers pass its attention."""
+
+    start: int
+    stop: int
+    cache: object
+    mask: object
+    extra: dict  # position_ids [1, T] and use_cache, as HF's layers pass them on
+
+
+def _attend(rows: _Rows, attention) -> Callable:
+    """The cache update and attention of one request's rows, as HF's attention module makes them."""
+    def attend(plan: LayerPlan, query, key, value):
+        if rows.cache is not None:
+            key, value = rows.cache.update(key, value, plan.index, kwargs=rows.extra)
+        return attention(plan.attention, query, key, value, rows.mask, **plan.attention_kwargs, **rows.extra)[0]
+    return attend
+
+
+def _attend_each(parts: list[_Rows], attention) -> Callable:
+    """``_attend`` for each request's rows of a batched forward, on views of them: the calls
+    each request's forward alone makes, so its rows never meet another's."""
+    def attend(plan: LayerPlan, query, key, value):
+        outs = []
+        for rows in parts:
+            k, v = rows.cache.update(key[:, :, rows.start:rows.stop], value[:, :, rows.start:rows.stop], plan.index,
+                                     kwargs=rows.extra)
+            outs.append(attention(plan.attention, query[:, :, rows.start:rows.stop], k, v, rows.mask,
+                                  **plan.attention_kwargs, **rows.extra)[0])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return attend
+
+
+def _rotary(plan: ModelPlan, embeds: torch.Tensor, position_ids: torch.Tensor):
+    """cos, sin [1, 1, T, head_dim] (as apply_rotary_pos_emb takes them), and the C library
+    where the rotary embedding can run on it."""
+    cos, sin = plan.inner.rotary_emb(embeds, position_ids)  # [1, T, head_dim]: each row from its position alone
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    kernel = plan.library if cos.dtype == torch.float32 and cos.device.type == "cpu" and cos.is_contiguous() \
+        else None
+    return cos, sin, kernel
+
+
+def _attention_function(model, plan: ModelPlan):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    inner = plan.inner
-    embeds = inner.embed_tokens(ids)  # [1, T, hidden]
+    return ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, plan.eager)
+
+
+def _rows_of(plan: ModelPlan, model, cache, embeds: torch.Tensor, start: int = 0) -> _Rows:
+    """A request's rows ``embeds`` [1, T, hidden] after its cache's positions (the mask is
+    made before any layer updates the cache, as HF makes it)."""
     past = cache.get_seq_length() if cache is not None else 0
     position_ids = (torch.arange(embeds.shape[1], device=embeds.device) + past).unsqueeze(0)  # [1, T]
     mask = plan.create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=cache,
                                    position_ids=position_ids)
-    cos, sin = inner.rotary_emb(embeds, position_ids)  # [1, T, head_dim]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, T, head_dim], as apply_rotary_pos_emb
-    rope_kernel = plan.library if cos.dtype == torch.float32 and cos.device.type == "cpu" and cos.is_contiguous() \
-        else None
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(model.config._attn_implementation, plan.eager)
-    extra = {"position_ids": position_ids, "use_cache": cache is not None}  # what HF's layers pass on
+    return _Rows(start, start + embeds.shape[1], cache, mask, {"position_ids": position_ids,
+                                                               "use_cache": cache is not None})
+
+
+def logits(plan: ModelPlan, model, cache, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+    """ids [1, T] after the cache's positions -> logits [1, num_logits, vocab], as
+    ``model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=num_logits)``."""
+    embeds = plan.inner.embed_tokens(ids)  # [1, T, hidden]
+    rows = _rows_of(plan, model, cache, embeds)
+    cos, sin, kernel = _rotary(plan, embeds, rows.extra["position_ids"])
+    attend = _attend(rows, _attention_function(model, plan))
     hidden = embeds
     for layer in plan.layers:
-        hidden = layer_forward(layer, hidden, cos, sin, mask, cache, attention, extra, rope_kernel)
+        hidden = layer_forward(layer, hidden, cos, sin, attend, kernel)
     hidden = plan.norm(hidden)
     return plan.head(hidden[:, -num_logits:, :])
+
+
+def batched_logits(plan: ModelPlan, model, caches: list, token_ids: list[list[int]],
+                   num_logits: list[int]) -> list[torch.Tensor | None]:
+    """One forward over several requests' rows: request i's ``token_ids[i]`` after the
+    positions of ``caches[i]`` -> its logits [num_logits[i], vocab] for its last rows (None
+    for 0).
+
+    Embeddings, norms, Linear layers and the MLP run over all the rows at once; positions,
+    masks, cache updates and attention per request, the very calls a forward of that
+    request alone makes (``_attend_each``). So wherever a Linear's rows never mix (the
+    int8/int4 kernels' integer sums, oneDNN's packed rows) and attention's rows do not
+    depend on their count (``rakv.row_attention``), each request gets the bits
+    ``logits`` gives it alone: batching changes no token."""
+    lengths = [len(ids) for ids in token_ids]
+    ids = torch.tensor([[t for part in token_ids for t in part]], dtype=torch.long, device=model.device)  # [1, N]
+    embeds = plan.inner.embed_tokens(ids)  # [1, N, hidden]
+    parts, start = [], 0
+    for cache, length in zip(caches, lengths):
+        parts.append(_rows_of(plan, model, cache, embeds[:, start:start + length], start))
+        start += length
+    position_ids = torch.cat([rows.extra["position_ids"] for rows in parts], dim=1)  # [1, N]
+    cos, sin, kernel = _rotary(plan, embeds, position_ids)
+    attend = _attend_each(parts, _attention_function(model, plan))
+    hidden = embeds
+    for layer in plan.layers:
+        hidden = layer_forward(layer, hidden, cos, sin, attend, kernel)
+    # only the rows whose logits are wanted go through the final norm and the head (per-row ops)
+    wanted = [i for rows, n in zip(parts, num_logits) for i in range(rows.stop - n, rows.stop)]
+    if not wanted:
+        return [None] * len(parts)
+    out = plan.head(plan.norm(hidden[:, wanted, :]))[0]  # [sum(num_logits), vocab]
+    result, at = [], 0
+    for n in num_logits:
+        result.append(out[at:at + n] if n else None)
+        at += n
+    return result

@@ -194,7 +194,7 @@ class _ModelRounds(PlannedRounds):
 
     def step(self, t: int) -> None:
         self.logits = forward(self.target, self.target_cache, self.seq[-1:])[0]
-        self._append(t, greedy(self.logits[None]))
+        self.append(t, greedy(self.logits[None]))
 
     def propose(self, t: int, drafter: str, k: int, stop_below: float, draft_seen: int) -> tuple[RoundRecord, tuple]:
         if drafter == DRAFT_MODEL:  # the walk's account of the draft cache, which the simulator prices, is exact
@@ -202,10 +202,10 @@ class _ModelRounds(PlannedRounds):
         rnd = speculative_round(self.target, self.drafters[drafter], self.target_cache, self.seq, t, k, self.eos,
                                 stop_below)
         self.logits = rnd.logits
-        self._append(t, rnd.new_ids)
+        self.append(t, rnd.new_ids)
         return RoundRecord(t, drafter, k, rnd.num_proposed, rnd.accepted), rnd.draft_probs
 
-    def _append(self, t: int, token_ids) -> None:
+    def append(self, t: int, token_ids) -> None:
         self.seq += token_ids
         if self.seq[-1] in self.eos:  # greedy output ends at EOS, which only the appended tokens' last can be
             self.end = len(self.seq) - self.num_prompt

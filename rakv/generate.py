@@ -14,15 +14,15 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from rakv.cli import add_precision_arguments, run_cli
+from rakv.cli import add_pair_arguments, run_cli
 from rakv.choices import fixed_action
 from rakv.controller import ControllerConfig
 from rakv.drafters import NgramConfig
 from rakv.engine import RequestError
 from rakv.settings import EngineConfig
-from rakv.store_model import STORE_MODES, StoreConfig
-from rakv.models import BUILTIN_PAIRS, PairError
-from rakv.policies import POLICY_HELP, check_policy, resolve_policy
+from rakv.store_model import StoreConfig
+from rakv.models import PairError
+from rakv.policies import check_policy, resolve_policy
 from rakv.prompt_file import PromptLine, read_prompt_file
 
 DEMO_PROMPTS = (
@@ -42,25 +42,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, metavar="FILE",
                    help="one prompt per line (\\n for a newline), or .jsonl with 'prompt' or 'prompt_ids' "
                         "and optionally 'max_new_tokens' per line; run in order through one engine")
-    p.add_argument("--pair", default="tiny",
-                   help=f"{', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT] (HF name, directory or .gguf) (default: tiny)")
-    p.add_argument("--policy", default="rakv",
-                   help=f"{POLICY_HELP} (default: rakv)")
-    p.add_argument("--strict", action="store_true",
-                   help="a learned policy trained for other models is an error, not a fallback to rakv")
+    add_pair_arguments(p, default_pair="tiny")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: 64)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
-    p.add_argument("--store", choices=STORE_MODES, default="full",
-                   help="what to keep for later requests: full sequence (default), prompt only (the paper), or off")
-    p.add_argument("--store-budget-mib", type=float, default=512, help="prefix store byte budget (default: 512 MiB)")
     p.add_argument("--memory-limit-mib", type=float, default=None,
                    help="rakv: reject actions whose working KV exceeds this (default: no limit)")
     p.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default=None,
                    help="model dtype (default: float64 for tiny, float32 otherwise)")
-    p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
-    add_precision_arguments(p)
-    p.add_argument("--draft-layers", type=int, default=4,
-                   help="smollm2: layers of the self-speculative draft; 0: no draft model (default: 4)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram searched (default: 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram searched (default: 1)")
     p.add_argument("--recalibrate", action="store_true", help="measure timing statistics again")

@@ -152,8 +152,7 @@ class PrefixIndex:
         if num_bytes > self.budget_bytes:
             return None
         while self.total_bytes + num_bytes > self.budget_bytes:
-            self.remove(next(iter(self._lru.values())))
-            self.num_evictions += 1
+            self.evict_lru()
         entry = Entry(self._next_id, namespace, tokens, int(num_bytes), payload, token_bytes=tokens.tobytes())
         self._next_id += 1
         # dict.fromkeys: colliding digests (or a patched constant one) register one key once
@@ -164,6 +163,14 @@ class PrefixIndex:
         self.total_bytes += entry.num_bytes
         self.touch(entry)
         return entry
+
+    def evict_lru(self) -> bool:
+        """Evict the least recently used entry; False when there is none."""
+        if not self._lru:
+            return False
+        self.remove(next(iter(self._lru.values())))
+        self.num_evictions += 1
+        return True
 
     def _prefix_digests(self, tokens: np.ndarray) -> tuple[bytes, ...]:
         """The digests of the first 1 .. min(16, n) tokens. Remembered per distinct first

@@ -150,26 +150,45 @@ class PlannedRounds:
         raise NotImplementedError
 
     def move(self, t: int, draft_seen: int) -> tuple[object | None, int]:
+        drafter, k = self.plan_move(t)
+        if k > 0:
+            rnd, probs = self.propose(t, drafter, k, self.stop_below(drafter), draft_seen)
+            return self.finish_move(t, drafter, k, rnd, probs)
+        if self.step is not None:
+            self.step(t)
+        return self.finish_move(t, drafter, 0)
+
+    # The two halves of ``move``, apart for an engine that runs many requests' moves in one
+    # batched forward (``rakv.batch_engine``): ``plan_move`` before it, ``finish_move`` after.
+    def plan_move(self, t: int, max_k: int | None = None) -> tuple[str | None, int]:
+        """The planner's (drafter, k) at t, k clipped so the round drafts nothing past
+        max_new_tokens (and to ``max_k`` where given: a step's row budget); k = 0: a plain step."""
         signals = self._signals
         for d, by_position in self._signal_lists:
             signals[d] = by_position[t]
         # From max_new_tokens - 1 on a round could draft nothing, and the planner is not
         # asked (its choice would not matter).
-        max_k = self.max_new_tokens - t - 1
-        drafter, k = self._plan(signals, t) if max_k > 0 else _NO_PLAN
-        if k > max_k:
-            k = max_k
+        limit = self.max_new_tokens - t - 1
+        if max_k is not None and max_k < limit:
+            limit = max_k
+        drafter, k = self._plan(signals, t) if limit > 0 else _NO_PLAN
+        return drafter, k if k <= limit else limit
+
+    def stop_below(self, drafter: str) -> float:
+        """The draft model's confidence stop (the planner moves it as its tokens are verified)."""
+        return self.planner.confidence if drafter == DRAFT_MODEL else 0.0
+
+    def finish_move(self, t: int, drafter: str | None, k: int, rnd=None, probs: Sequence = ()) -> tuple[object | None, int]:
+        """The planner told of the iteration at t (a round ``rnd`` with k > 0, else a plain
+        step): what was proposed and accepted, and what each shadowed drafter's proposal
+        the appended tokens confirm. Returns the move: (the round or None, tokens appended)."""
+        signals = self._signals
         if k > 0:
-            # the planner moves its threshold as its draft tokens are verified
-            stop_below = self.planner.confidence if drafter == DRAFT_MODEL else 0.0
-            rnd, probs = self.propose(t, drafter, k, stop_below, draft_seen)
             appended = tokens_appended(rnd.accepted, t, self.end)
             # the probabilities of output positions only: none past an accepted EOS
             self._observe(drafter, signals[drafter], rnd.num_proposed, rnd.accepted, probs[:appended])
             made = (rnd, appended)
         else:
-            if self.step is not None:
-                self.step(t)
             appended, made = 1, _PLAIN_STEP
         for shadow, proposed, runs in self._shadow_lists:
             if proposed[t] and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing

@@ -1,0 +1,205 @@
+"""Continuous batching's decisions: which requests run in a step, and with how many rows.
+Imports no torch, so a replay can run the very same scheduler over a trace's facts.
+
+Each step every running request contributes rows to one target forward: a chunk of its
+prefill, one decode row, or a verification of a speculation round's k + 1 rows (its round
+planner's choice, made here through its ``moves``). Conventions as vLLM's:
+``max_num_seqs`` caps the running requests, ``max_num_batched_tokens`` the rows of a
+step, prompts are prefilled in chunks, admission is first come first served, and a
+request that cannot grow preempts the most recently admitted one, whose state is
+recomputed when it is admitted again.
+
+Invariants:
+- Order. ``running`` is in admission order. A step plans the decoding requests first, in
+  that order (their rows are what keeps tokens flowing), then prefill chunks in that
+  order, then admits waiting requests from the front of ``waiting`` while rows, seats
+  and memory last. A preempted request goes back to the front of ``waiting``.
+- Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
+  clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
+  a request's rounds, never its tokens.
+- Memory. Each running request reserves (its cached positions + the step's rows)
+  positions at its bytes per position (target, plus the draft where it readied it: the
+  draft's cache never holds more positions than that); reservations plus
+  the prefix store's bytes stay within ``memory_budget_bytes`` whenever a step is planned:
+  least recently used store entries go first, then running requests are preempted,
+  newest first. A request is never lost or duplicated: it is in exactly one of
+  ``waiting``, ``running`` or finished (``finish``) or dropped (``remove``).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_num_seqs: int = 8  # running requests at most
+    max_num_batched_tokens: int = 256  # rows of one step at most
+    memory_budget_bytes: int = 2 * 2**30  # running requests' KV and the prefix store together
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "memory_budget_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(eq=False)
+class Seq:
+    """A request as the scheduler sees it. ``moves``: its round planner's walk
+    (``rakv.rounds.PlannedRounds``), set at admission; ``t``: output tokens so far."""
+
+    request_id: int
+    num_prompt: int
+    max_new_tokens: int
+    bytes_per_position: int  # KV bytes a position takes in its caches (target, and draft if readied)
+    num_tokens: int = 0  # prompt + output known so far
+    num_computed: int = 0  # positions in the target's cache
+    prefill_end: int = 0  # positions to compute before it decodes (prompt, or all but the last token after a preemption)
+    moves: object = None
+    num_preemptions: int = 0
+    admitted: bool = False  # admitted once (its store lookup and decision are made)
+
+    @property
+    def t(self) -> int:
+        return self.num_tokens - self.num_prompt
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prefill_end
+
+
+@dataclass(frozen=True)
+class Work:
+    """One request's part of a step: ``rows`` rows of ``kind``; a round's drafter and k."""
+
+    seq: Seq
+    kind: str  # PREFILL, DECODE or VERIFY
+    rows: int  # prefill: the chunk's tokens; decode: 1; verify: at most k + 1 (a proposal may be shorter)
+    drafter: str | None = None
+    k: int = 0
+
+
+@dataclass
+class Scheduler:
+    """FCFS continuous batching under a row budget, a seat cap and a memory budget.
+    ``admit(seq)`` is called once per request at its first admission (the engine looks it
+    up in the store, decides, and sets ``prefill_end``, ``num_computed``, ``moves`` and
+    ``bytes_per_position``); ``preempted(seq)`` when a running request loses its state;
+    ``store_bytes()`` / ``evict_store()`` read and shrink the prefix store (``evict_store``
+    returns False when it is empty)."""
+
+    config: BatchConfig
+    admit: Callable[[Seq], None]
+    preempted: Callable[[Seq], None]
+    store_bytes: Callable[[], int]
+    evict_store: Callable[[], bool]
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    num_preemptions: int = 0
+    _step_rows: dict = field(default_factory=dict)  # id(seq) -> rows planned in the step being planned
+
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Seq) -> None:
+        """Drop a request wherever it is (an abort); its reservation goes with it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def finish(self, seq: Seq) -> None:
+        self.running.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- a step ------------------------------------------------------------------
+    def schedule(self) -> list[Work]:
+        """The works of the next step (empty when nothing can run)."""
+        budget = self.config.max_num_batched_tokens
+        self._step_rows = {}
+        works: list[Work] = []
+        for seq in list(self.running):
+            if seq.prefilling or seq not in self.running or budget == 0:
+                continue  # a prefill waits for the second pass; a preempted one is gone
+            rows = self._rows_for(seq, budget)
+            if rows == 0:
+                continue  # it preempted itself
+            drafter, k = seq.moves.plan_move(seq.t, rows - 1)
+            works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
+            budget -= k + 1
+        for seq in self.running:
+            if seq.prefilling and budget > 0:
+                work = self._chunk(seq, budget)
+                if work is None:
+                    break  # a prefill waits for memory rather than preempt
+                works.append(work)
+                budget -= work.rows
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.admitted:
+                self.admit(seq)
+                seq.admitted = True
+            work = self._chunk(seq, budget) if seq.prefilling else None
+            if not self._fits(seq, work.rows if work is not None else 1):
+                break  # FCFS: nothing overtakes it; it runs when memory frees up
+            self.waiting.popleft()
+            self.running.append(seq)
+            if work is not None:
+                works.append(work)
+                budget -= work.rows
+        return works
+
+    def _planned(self, work: Work) -> Work:
+        self._step_rows[id(work.seq)] = work.rows
+        return work
+
+    def _chunk(self, seq: Seq, budget: int) -> Work | None:
+        """The next prefill chunk of ``seq`` within ``budget`` rows, or None where memory lacks."""
+        chunk = min(seq.prefill_end - seq.num_computed, budget)
+        return self._planned(Work(seq, PREFILL, chunk)) if self._fits(seq, chunk) else None
+
+    # -- memory ------------------------------------------------------------------
+    def reserved_bytes(self, excluding: Seq | None = None) -> int:
+        """What the running requests hold (their caches' positions) and the rows planned
+        for them this step take."""
+        rows = self._step_rows
+        return sum(s.bytes_per_position * (s.num_computed + rows.get(id(s), 0)) for s in self.running
+                   if s is not excluding)
+
+    def _free_bytes(self, seq: Seq | None) -> int:
+        return self.config.memory_budget_bytes - self.reserved_bytes(excluding=seq) - self.store_bytes()
+
+    def _fits(self, seq: Seq, rows: int) -> bool:
+        """Whether ``seq``'s caches can grow by ``rows`` positions beside the other running
+        requests and the store, evicting store entries (LRU) to make room."""
+        need = seq.bytes_per_position * (seq.num_computed + rows)
+        while self._free_bytes(seq) < need:
+            if not self.evict_store():
+                return False
+        return True
+
+    def _rows_for(self, seq: Seq, max_rows: int) -> int:
+        """Rows ``seq`` may take this step, at most ``max_rows``, preempting the newest
+        running requests until one row fits; 0 where ``seq`` itself was preempted."""
+        while not self._fits(seq, 1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return 0
+        fit = self._free_bytes(seq) // max(seq.bytes_per_position, 1) - seq.num_computed
+        return max(1, min(max_rows, fit))
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        seq.num_computed = 0
+        # recomputed: all but the last token where it has output (that token is known), else the prompt
+        seq.prefill_end = seq.num_tokens - 1 if seq.t > 0 else seq.num_tokens
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted(seq)
+        self.waiting.appendleft(seq)

@@ -1,0 +1,162 @@
+"""Batch invariance: under continuous batching every request's output ids equal its own
+batch-1 greedy output, whatever runs beside it, in whatever order requests arrive, under
+every policy, with chunked prefill, store hits and preemptions."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import ALL_POLICIES, NEEDS_KERNELS, SMOLLM2_MAX_CONTEXT, policy_for
+from rakv.batch_engine import BatchEngine
+from rakv.controller import make_policy
+from rakv.engine import Engine, RequestError
+from rakv.models import load_pair
+from rakv.scheduler import BatchConfig
+from rakv.weights import INT4, INT8
+
+TEXTS = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+         "The cache keeps keys and values for every position, so",
+         "User: what is a prefix store?\nAssistant:",
+         "import os\nimport sys\n\n",
+         "Once upon a time")
+
+
+def prompts_of(pair, num: int, rng: random.Random) -> list[list[int]]:
+    """Prompts that share prefixes (store hits), repeat exactly, and vary in length."""
+    prompts = []
+    for i in range(num):
+        text = rng.choice(TEXTS)
+        if i % 3 == 1:
+            text += f" case {i}" * rng.randint(1, 6)  # a longer prompt: several prefill chunks
+        prompts.append(pair.encode(text))
+    prompts.append(list(prompts[0]))  # an exact repeat
+    return prompts
+
+
+def reference(pair, prompts: list[list[int]], max_new: int) -> list[tuple[int, ...]]:
+    """Each prompt's batch-1 greedy output (plain decoding, nothing stored)."""
+    return [Engine(pair, make_policy("ar")).generate(p, max_new).output_ids for p in prompts]
+
+
+def run_schedule(engine: BatchEngine, prompts, policies, max_new: int, rng: random.Random) -> dict:
+    """Requests arrive in a random order, a random number at each step; returns each
+    prompt's streamed output (checked against its final result)."""
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    by_id, streamed, outputs = {}, {}, {}
+    while order or engine.has_work():
+        for _ in range(rng.randint(0, 3) if engine.has_work() else 1):
+            if order:
+                i = order.pop()
+                by_id[engine.submit(prompts[i], max_new, policy=policies[i])] = i
+        for event in engine.step():
+            i = by_id[event.request_id]
+            streamed.setdefault(i, []).extend(event.token_ids)
+            if event.finished:
+                assert i not in outputs  # never duplicated
+                outputs[i] = event.result.output_ids
+                assert tuple(streamed[i]) == event.result.output_ids
+    assert sorted(outputs) == list(range(len(prompts)))  # never lost
+    return outputs
+
+
+def bytes_per_position(pair) -> int:
+    from rakv.kv_store import measure_sizes
+    return sum(measure_sizes(m).kv_bytes_per_token for m in (pair.target, pair.draft) if m is not None)
+
+
+def check_schedules(pair, prompts, policy_names, max_new: int, configs, seeds) -> int:
+    """Every (config, seed) schedule's outputs equal the batch-1 ones; returns the number of
+    preemptions seen."""
+    want = reference(pair, prompts, max_new)
+    policies = {name: policy_for(name, pair) for name in set(policy_names)}
+    preemptions = 0
+    for config in configs:
+        for seed in seeds:
+            rng = random.Random(seed)
+            chosen = [policies[rng.choice(policy_names)] for _ in prompts]  # mixed policies
+            engine = BatchEngine(pair, make_policy("ar"), batch=config)
+            got = run_schedule(engine, prompts, chosen, max_new, rng)
+            mismatches = [i for i, ids in got.items() if ids != want[i]]
+            assert not mismatches, f"{config}, seed {seed}: prompts {mismatches} differ from batch 1"
+            preemptions += engine.stats().num_preemptions
+            assert engine.stats().num_running == engine.stats().num_waiting == 0
+    return preemptions
+
+
+def configs_for(pair, prompts, max_new: int) -> list[BatchConfig]:
+    """Concurrency 1 to 8, row budgets that chunk prefills and clip rounds, and a memory
+    budget small enough to preempt."""
+    longest = max(len(p) for p in prompts) + max_new
+    tight = int(bytes_per_position(pair) * longest * 1.3)  # one request fits, two at full length do not
+    return [BatchConfig(max_num_seqs=1, max_num_batched_tokens=256),
+            BatchConfig(max_num_seqs=2, max_num_batched_tokens=8),
+            BatchConfig(max_num_seqs=4, max_num_batched_tokens=16, memory_budget_bytes=tight),
+            BatchConfig(max_num_seqs=8, max_num_batched_tokens=64),
+            BatchConfig(max_num_seqs=8, max_num_batched_tokens=5, memory_budget_bytes=tight)]
+
+
+def test_tiny_outputs_equal_batch_1_under_random_schedules(tiny_pair):
+    rng = random.Random(0)
+    prompts = prompts_of(tiny_pair, 8, rng)
+    preemptions = check_schedules(tiny_pair, prompts, ALL_POLICIES, 12, configs_for(tiny_pair, prompts, 12),
+                                  seeds=(0, 1))
+    assert preemptions > 0  # the tight budget made some
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("mode", [INT8, INT4])
+def test_tiny_quantized_outputs_equal_batch_1_under_random_schedules(mode):
+    pair = load_pair("tiny", dtype="float32", weights_mode=mode)
+    rng = random.Random(1)
+    prompts = prompts_of(pair, 8, rng)
+    check_schedules(pair, prompts, ("ar", "spec-k4", "joint-ngram-k2", "rakv"), 12,
+                    configs_for(pair, prompts, 12), seeds=(2,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [pytest.param(INT8, marks=NEEDS_KERNELS), pytest.param(INT4, marks=NEEDS_KERNELS),
+                                  "fp32"])
+def test_smollm2_outputs_equal_batch_1_under_random_schedules(mode):
+    pair = load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=mode)
+    rng = random.Random(2)
+    prompts = prompts_of(pair, 6, rng)
+    configs = configs_for(pair, prompts, 12)
+    check_schedules(pair, prompts, ("ar", "joint-k4", "ngram-k4", "rakv"), 10, configs[2:3], seeds=(3,))
+
+
+def test_a_step_never_exceeds_its_row_budget_or_seats(tiny_pair):
+    engine = BatchEngine(tiny_pair, make_policy("spec-k8"), batch=BatchConfig(max_num_seqs=3,
+                                                                               max_num_batched_tokens=6))
+    for text in TEXTS:
+        engine.submit(tiny_pair.encode(text), 4)
+    while engine.has_work():
+        works = engine.scheduler.schedule()
+        assert sum(w.rows for w in works) <= 6
+        assert len(engine.scheduler.running) <= 3
+        engine.run_works(works)
+
+
+def test_abort_frees_the_request_and_stores_nothing(tiny_pair):
+    engine = BatchEngine(tiny_pair, make_policy("ar"))
+    kept = engine.submit(tiny_pair.encode(TEXTS[0]), 6)
+    dropped = engine.submit(tiny_pair.encode(TEXTS[1]), 50)
+    engine.step()
+    engine.abort(dropped)
+    finished = []
+    while engine.has_work():
+        finished += [e.request_id for e in engine.step() if e.finished]
+    assert finished == [kept]
+    assert engine.stats().num_running == 0
+    assert len(engine.store.index) == 1  # the kept request's sequence only
+
+
+def test_requests_that_can_never_run_are_one_line_errors(tiny_pair):
+    engine = BatchEngine(tiny_pair, make_policy("ar"), batch=BatchConfig(memory_budget_bytes=1000))
+    with pytest.raises(RequestError, match="over the memory budget"):
+        engine.submit(tiny_pair.encode(TEXTS[0]), 8)
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine.submit([], 8)
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        BatchConfig(max_num_seqs=0)
