@@ -118,8 +118,10 @@ def test_tiny_quantized_outputs_equal_batch_1_under_random_schedules(mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [pytest.param(INT8, marks=NEEDS_KERNELS), pytest.param(INT4, marks=NEEDS_KERNELS),
                                   "fp32"])
-def test_smollm2_outputs_equal_batch_1_under_random_schedules(mode):
-    pair = load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=mode)
+def test_smollm2_outputs_equal_batch_1_under_random_schedules(mode, request):
+    # fp32: the session's pair (loaded once for the other SmolLM2 tests)
+    pair = request.getfixturevalue("smollm2_pair") if mode == "fp32" else \
+        load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode=mode)
     rng = random.Random(2)
     prompts = prompts_of(pair, 6, rng)
     configs = configs_for(pair, prompts, 12)
