@@ -27,7 +27,7 @@ import torch
 from rakv.controller import Policy, RequestOutcome
 from rakv.decoding import draft_propose_many, forward, forward_many, greedy, verified_round
 from rakv.drafters import DRAFT_MODEL
-from rakv.engine import Engine, RequestError, RequestResult, RoundRecord, _ModelRounds
+from rakv.engine import Decision, Engine, RequestError, RequestResult, RoundRecord, _ModelRounds
 from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore, measure_sizes
 from rakv.models import ModelPair
@@ -70,11 +70,7 @@ class _Request:
     tokens: list[int]  # prompt + output so far
     policy: Policy
     arrival_s: float
-    action: object = None
-    planner: object = None
-    match: object = None
-    reuse: object = None
-    draft_reused: int | None = None  # None: the draft model is not readied
+    decision: Decision | None = None  # made at its first admission
     decide_s: float = 0.0
     target_cache: object = None
     drafters: dict = field(default_factory=dict)
@@ -236,30 +232,23 @@ class BatchEngine(Engine):
         start), when the scheduler first admits it."""
         start = time.perf_counter()
         req = self._requests[seq.request_id]
-        features, match, draft_match = self.features(req.prompt, seq.max_new_tokens)
-        req.action = req.policy.decide(features)
-        req.planner = req.policy.planner(features, req.action)
-        draft_ready = DRAFT_MODEL in req.planner.drafters
-        if draft_ready and self.pair.draft is None:
-            raise RequestError(f"policy {req.policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
-        req.reuse, draft_reused = self.store.model.start(match, draft_match if draft_ready else None, req.action.r)
-        req.match, req.draft_reused = match, draft_reused if draft_ready else None
-        req.draft_seen = draft_reused if draft_ready else 0
-        req.drafters = self._drafters(req.planner.drafters, draft_match, draft_reused)
-        reused = req.reuse.reused_tokens
-        req.target_cache = self.store.restore(match.entry, reused) if reused else GrowingCache()
-        seq.bytes_per_position = self._target_bytes + (self._draft_bytes if draft_ready else 0)
+        req.decision = decision = self.decide(req.prompt, seq.max_new_tokens, req.policy)
+        req.draft_seen = decision.draft_reused or 0
+        req.drafters = self._drafters(decision.planner.drafters, decision.draft_match, req.draft_seen)
+        reused = decision.reuse.reused_tokens
+        req.target_cache = self.store.restore(decision.match.entry, reused) if reused else GrowingCache()
+        seq.bytes_per_position = self._target_bytes + (self._draft_bytes if decision.draft_reused is not None else 0)
         seq.num_computed = reused
         req.decide_s = time.perf_counter() - start
         if reused == seq.num_prompt:  # an exact repeat: the stored logits, no prefill
-            self._first_token(req, self.store.stored_logits(match))
+            self._first_token(req, self.store.stored_logits(decision.match))
 
     def _first_token(self, req: _Request, logits: torch.Tensor) -> None:
         req.prompt_logits = logits
         req.tokens += greedy(logits[None])
         req.seq.num_tokens = len(req.tokens)
         req.first_token_s = time.perf_counter()
-        req.moves = _ModelRounds(req.planner, req.seq.max_new_tokens, self.pair, req.target_cache, req.drafters,
+        req.moves = _ModelRounds(req.decision.planner, req.seq.max_new_tokens, self.pair, req.target_cache, req.drafters,
                                  req.tokens, req.seq.num_prompt, logits)
         req.seq.moves = req.moves
         self._events.append(TokenEvent(req.seq.request_id, (req.tokens[-1],), False))
@@ -279,25 +268,26 @@ class BatchEngine(Engine):
         drafter = req.drafters.get(DRAFT_MODEL)
         if drafter is not None and seq.num_preemptions:
             # a preempted request's draft cache restarted empty: bring it to the walk's account
-            account = draft_cache_positions(n, req.draft_reused, req.rounds, len(req.tokens) - n)
+            account = draft_cache_positions(n, req.decision.draft_reused, req.rounds, len(req.tokens) - n)
             if drafter.cache.get_seq_length() < account:
                 forward(self.pair.draft, drafter.cache, req.tokens[drafter.cache.get_seq_length():account])
         self._store(req.prompt, req.tokens, req.target_cache, {n: req.prompt_logits, len(req.tokens) - 1:
                                                                 req.moves.logits},
-                    drafter.cache if drafter is not None else None, req.draft_reused, req.rounds)
-        req.policy.observe(RequestOutcome(req.action, req.planner.counts()))
+                    drafter.cache if drafter is not None else None, req.decision.draft_reused, req.rounds)
+        decision = req.decision
+        req.policy.observe(RequestOutcome(decision.action, decision.planner.counts()))
         now = time.perf_counter()
         result = RequestResult(
-            request_id=seq.request_id, policy=req.policy.name, action=req.action, num_prompt_tokens=n,
-            hit_tokens=req.match.hit_tokens, reused_tokens=req.reuse.reused_tokens,
-            draft_reused_tokens=req.draft_reused or 0, hit_kind=req.reuse.hit_kind,
+            request_id=seq.request_id, policy=req.policy.name, action=decision.action, num_prompt_tokens=n,
+            hit_tokens=decision.match.hit_tokens, reused_tokens=decision.reuse.reused_tokens,
+            draft_reused_tokens=decision.draft_reused or 0, hit_kind=decision.reuse.hit_kind,
             output_ids=tuple(req.tokens[n:]), ttft_s=req.first_token_s - req.arrival_s, e2e_s=now - req.arrival_s,
             decide_s=req.decide_s, rounds=tuple(req.rounds))
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]
         f = self._finished
         f["count"] += 1
-        f["hit"] += req.reuse.reused_tokens
+        f["hit"] += decision.reuse.reused_tokens
         f["prompt"] += n
         f["rounds"] += len(req.rounds)
         f["accepted"] += sum(r.accepted for r in req.rounds)

@@ -46,12 +46,8 @@ def forward_many(model, caches: list, token_ids: list[list[int]], num_logits: li
     plan = direct_forward.plan_of(model)
     if plan is not None:
         return direct_forward.batched_logits(plan, model, caches, token_ids, num_logits)
-    return [forward(model, cache, ids, n)[-n:] if n else _fed(model, cache, ids)
-            for cache, ids, n in zip(caches, token_ids, num_logits)]
-
-
-def _fed(model, cache, token_ids: list[int]) -> None:
-    forward(model, cache, token_ids)  # its logits are not wanted
+    fed = [forward(model, cache, ids, max(n, 1)) for cache, ids, n in zip(caches, token_ids, num_logits)]
+    return [logits if n else None for logits, n in zip(fed, num_logits)]
 
 
 def greedy(logits: torch.Tensor) -> list[int]:

@@ -73,6 +73,19 @@ class RequestResult:
         return row
 
 
+@dataclass(frozen=True)
+class Decision:
+    """A request's start: its policy's action and round planner, the store's matches, and
+    what it reuses (``StoreModel.start``: the entries reused are touched)."""
+
+    action: Action
+    planner: object
+    match: PrefixMatch
+    draft_match: PrefixMatch
+    reuse: object  # rakv.store_model.Reuse: the target's reused positions and hit kind
+    draft_reused: int | None  # the draft model's reused positions; None: the action does not ready it
+
+
 class Engine:
     def __init__(self, pair: ModelPair, policy: Policy, config: EngineConfig = EngineConfig(),
                  store: KVStore | None = None):
@@ -89,35 +102,41 @@ class Engine:
         prompt = self.validate(prompt_ids, max_new_tokens)
         n = len(prompt)
         max_new = min(max_new_tokens, self.max_positions - n)
-        features, match, draft_match = self.features(prompt, max_new)
-        action = self.policy.decide(features)
-        planner = self.policy.planner(features, action)
-        draft_ready = DRAFT_MODEL in planner.drafters
-        if draft_ready and self.pair.draft is None:
-            raise RequestError(f"policy {self.policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
-        reuse, draft_reused = self.store.model.start(match, draft_match if draft_ready else None, action.r)
+        decision = self.decide(prompt, max_new, self.policy)
         decide_s = time.perf_counter() - start
 
-        target_cache, logits = self._prefill(prompt, match, reuse.reused_tokens)
+        target_cache, logits = self._prefill(prompt, decision.match, decision.reuse.reused_tokens)
         prompt_logits = logits
         seq = prompt + greedy(logits[None])
         ttft_s = time.perf_counter() - start
 
-        drafters = self._drafters(planner.drafters, draft_match, draft_reused)
-        loop = _ModelRounds(planner, max_new, self.pair, target_cache, drafters, seq, n, logits)
-        rounds = walk(loop, n, draft_reused if draft_ready else 0)
+        draft_reused = decision.draft_reused or 0
+        drafters = self._drafters(decision.planner.drafters, decision.draft_match, draft_reused)
+        loop = _ModelRounds(decision.planner, max_new, self.pair, target_cache, drafters, seq, n, logits)
+        rounds = walk(loop, n, draft_reused)
 
         drafter = drafters.get(DRAFT_MODEL)
         self._store(prompt, seq, target_cache, {n: prompt_logits, len(seq) - 1: loop.logits},
-                    drafter.cache if drafter is not None else None, draft_reused if draft_ready else None, rounds)
+                    drafter.cache if drafter is not None else None, decision.draft_reused, rounds)
         result = RequestResult(
-            request_id=self.num_requests, policy=self.policy.name, action=action,
-            num_prompt_tokens=n, hit_tokens=match.hit_tokens, reused_tokens=reuse.reused_tokens,
-            draft_reused_tokens=draft_reused, hit_kind=reuse.hit_kind, output_ids=tuple(seq[n:]),
+            request_id=self.num_requests, policy=self.policy.name, action=decision.action,
+            num_prompt_tokens=n, hit_tokens=decision.match.hit_tokens, reused_tokens=decision.reuse.reused_tokens,
+            draft_reused_tokens=draft_reused, hit_kind=decision.reuse.hit_kind, output_ids=tuple(seq[n:]),
             ttft_s=ttft_s, e2e_s=time.perf_counter() - start, decide_s=decide_s, rounds=tuple(rounds))
         self.num_requests += 1
-        self.policy.observe(RequestOutcome(action, planner.counts()))
+        self.policy.observe(RequestOutcome(decision.action, decision.planner.counts()))
         return result
+
+    def decide(self, prompt: list[int], max_new: int, policy: Policy) -> Decision:
+        """The request's lookups, its policy's decision, and its reuse taken from the store."""
+        features, match, draft_match = self.features(prompt, max_new)
+        action = policy.decide(features)
+        planner = policy.planner(features, action)
+        draft_ready = DRAFT_MODEL in planner.drafters
+        if draft_ready and self.pair.draft is None:
+            raise RequestError(f"policy {policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
+        reuse, draft_reused = self.store.model.start(match, draft_match if draft_ready else None, action.r)
+        return Decision(action, planner, match, draft_match, reuse, draft_reused if draft_ready else None)
 
     def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, PrefixMatch, PrefixMatch]:
         """What the policy sees, and the store matches it is based on (not yet touched)."""
