@@ -39,7 +39,8 @@ from dataclasses import dataclass, replace
 from bench.serve_client import (RunResult, ServeError, Server, make_client, resolve_model, run_load,
                                 warm_up)
 from bench.serve_stats import RunSummary, Slo, count_differences, parse_slo, summarize
-from bench.serve_workload import SHIPPED, Prompt, WorkloadFileError, arrivals_s, load_prompts, parse_loads
+from bench.serve_workload import SHIPPED, Prompt, WorkloadFileError, load_prompts
+from profiler.arrivals import arrivals_s, parse_loads
 from rakv.cli import run_cli
 
 LLAMA_NAME = "llama.cpp"

@@ -15,16 +15,12 @@ earlier turn has finished (``Prompt.continues``).
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 GENERAL_PROMPTS = Path(__file__).resolve().parent.parent / "profiler" / "general_prompts.jsonl"
 SHIPPED = ("general", "chat", "prose", "humaneval", "sharegpt", "synthetic", "fixture-code", "fixture-chat")
-_ARRIVAL_STREAM = 3  # profiler.workloads' arrival stream: the same draws as a recorded workload's
 
 
 class WorkloadFileError(ValueError):
@@ -97,32 +93,3 @@ def read_jsonl(path: Path, num_prompts: int | None, max_tokens: int) -> tuple[Pr
             raise WorkloadFileError(f"{path} has {len(prompts)} prompts; got --num-prompts {num_prompts}")
         prompts = prompts[:num_prompts]
     return tuple(prompts)
-
-
-def arrivals_s(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
-    """Poisson arrival times: the first at 0, then exponential gaps of mean ``1 / rate``
-    from the seed's arrival stream; ``inf``: all at 0. Every rate draws the same standard
-    exponentials, so rate 2's times are rate 1's halved: load points differ in rate only."""
-    if math.isinf(rate_per_s):
-        return (0.0,) * count
-    from profiler.arrivals import poisson_arrivals_s
-    return tuple(poisson_arrivals_s(count, rate_per_s, np.random.default_rng((int(seed), _ARRIVAL_STREAM))))
-
-
-def parse_loads(text: str, what: str, integer: bool) -> tuple[float, ...]:
-    """``0.5,1,inf`` (request rates) or ``1,2,4`` (concurrencies) as numbers; ValueError
-    naming the option otherwise."""
-    values = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            value = float(part)
-        except ValueError:
-            raise ValueError(f"{what}: {part!r} is not a number") from None
-        if integer and not (math.isfinite(value) and value >= 1 and value == int(value)):
-            raise ValueError(f"{what}: {part!r} must be a whole number >= 1")
-        if not value > 0 or math.isnan(value):
-            raise ValueError(f"{what}: {part!r} must be > 0 (or inf)")
-        values.append(value)
-    if not values:
-        raise ValueError(f"{what}: no value given")
-    return tuple(values)

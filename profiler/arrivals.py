@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+_ARRIVAL_STREAM = 3  # profiler.workloads' arrival stream: the same draws as a recorded workload's
+
 
 def poisson_arrivals_s(count: int, rate_per_s: float | None, rng: np.random.Generator) -> list[float]:
     """Arrival times of ``count`` requests: the first at 0, then ``count - 1`` exponential
@@ -24,3 +26,31 @@ def poisson_arrivals_s(count: int, rate_per_s: float | None, rng: np.random.Gene
     # one draw per gap, all at once: the generator's state after the call depends on count only
     gaps = rng.exponential(1.0 / rate_per_s, size=max(count - 1, 0))
     return [0.0] + np.cumsum(gaps).tolist()
+
+
+def parse_loads(text: str, what: str, integer: bool) -> tuple[float, ...]:
+    """``0.5,1,inf`` (request rates) or ``1,2,4`` (concurrencies) as numbers; ValueError
+    naming the option otherwise."""
+    values = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not a number") from None
+        if integer and not (math.isfinite(value) and value >= 1 and value == int(value)):
+            raise ValueError(f"{what}: {part!r} must be a whole number >= 1")
+        if not value > 0 or math.isnan(value):
+            raise ValueError(f"{what}: {part!r} must be > 0 (or inf)")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{what}: no value given")
+    return tuple(values)
+
+
+def arrivals_s(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
+    """Poisson arrival times: the first at 0, then exponential gaps of mean ``1 / rate``
+    from the seed's arrival stream; ``inf``: all at 0. Every rate draws the same standard
+    exponentials, so rate 2's times are rate 1's halved: load points differ in rate only."""
+    if math.isinf(rate_per_s):
+        return (0.0,) * count
+    return tuple(poisson_arrivals_s(count, rate_per_s, np.random.default_rng((int(seed), _ARRIVAL_STREAM))))

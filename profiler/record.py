@@ -13,7 +13,11 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   request under every policy before the next), each checked token for token against the
   greedy output; every run and op waits out a slow phase of the machine, and a run
   its siblings say was slowed is timed again (``profiler.run_noise``);
-- decisions: the adaptive policy's decisions on that sample (``--policy rakv``).
+- decisions: the adaptive policy's decisions on that sample (``--policy rakv``);
+- served and steps: with ``--serve-concurrency`` or ``--serve-rate``, the batching engine
+  serving the first ``--serve-requests`` requests at each load under each
+  ``--serve-policies`` policy: every request's times, preemptions, output and rounds,
+  and every step's requests, kinds, rows and seconds (``profiler.serve_record``).
 
 Every file's metadata holds the decision inputs (``rakv.settings.DecisionInputs``: the
 engine's store and n-gram settings, the controller's, the calibrated timings the adaptive
@@ -37,21 +41,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from profiler.arrivals import parse_loads
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, mean_probe_s,
                                 median_attempt, priced_s)
 from profiler.schema import (META_DECISION_INPUTS, META_TIMING_TRACE, DecisionRow, DrafterRunLengths, RequestRow,
                              RunRow, TraceError, TraceMeta, table_to_rows)
+from profiler.serve_record import loads_of, record_serving
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import add_precision_arguments, run_cli
-from rakv.choices import fixed_policy_names
+from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_action, fixed_policy_names
 from rakv.controller import ControllerConfig
-from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, measure_pair
+from rakv.scheduler import BatchConfig
+from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
 
 RECORDED_MAX_K = 32  # run lengths are recorded up to this many draft tokens
-GRIDS = {"calibration": CALIBRATION_GRID, "recording": RECORDING_GRID}
+GRIDS = {"calibration": CALIBRATION_GRID, "recording": RECORDING_GRID, "serving": SERVING_GRID}
 ENGINE_CONFIG = EngineConfig()  # what the runs' engines use; recorded in the metadata
 CONTROLLER_CONFIG = ControllerConfig()
 
@@ -84,8 +91,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "beside its probe's seconds (probe_s), which the simulator prices at the usual speed; "
                         f"0: never probe (default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
-    p.add_argument("--grid", choices=sorted(GRIDS), default="calibration", help="op timing grid (default: calibration)")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="calibration",
+                   help="op timing grid: serving adds batched forwards of 1-8 requests (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
+    serve = p.add_argument_group("serving under load (the served and steps tables)")
+    serve.add_argument("--serve-concurrency", type=_loads("--serve-concurrency", True), default=(), metavar="C[,C...]",
+                       help="serve with C requests in flight, the next submitted when one finishes; a list records "
+                            "each load in turn")
+    serve.add_argument("--serve-rate", type=_loads("--serve-rate", False), default=(), metavar="R[,R...]",
+                       help="serve Poisson arrivals at R requests/s (the workload seed's arrival times)")
+    serve.add_argument("--serve-policies", default="ar,rakv",
+                       help="comma-separated policies, each load served under each (default: ar,rakv)")
+    serve.add_argument("--serve-requests", type=int, default=16,
+                       help="the first N recorded requests, served at each load (default: 16)")
+    serve.add_argument("--max-num-seqs", type=int, default=BatchConfig.max_num_seqs,
+                       help=f"requests running at once at most (default: {BatchConfig.max_num_seqs})")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=BatchConfig.max_num_batched_tokens,
+                       help=f"rows of one step at most (default: {BatchConfig.max_num_batched_tokens})")
     p.add_argument("--timing-trace", metavar="NAME", default=None,
                    help="with --skip ops runs: the trace beside this one (in the same directory) that holds "
                         "its timing, ops and runs of the same pair on this machine; a replay then needs "
@@ -98,6 +120,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flush-rows", type=int, default=16, help="rows per flushed part file (default: 16)")
     return p.parse_args(argv)
+
+
+def _loads(what: str, integer: bool):
+    """argparse's type for a list of loads (``profiler.arrivals.parse_loads``)."""
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            return parse_loads(text, what, integer)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def load(args):
@@ -363,6 +395,19 @@ def run(args) -> int:
     start = time.perf_counter()
     if args.timing_trace is not None and not {"ops", "runs"} <= set(args.skip):
         raise ValueError("--timing-trace names the trace that holds this one's timing: record with --skip ops runs")
+    loads = loads_of(args.serve_concurrency, args.serve_rate)
+    policies = [name.strip() for name in args.serve_policies.split(",") if name.strip()]
+    if loads and ("requests" in args.skip or args.random_weights):
+        raise ValueError("serving under load serves the recorded requests: do not skip them, and use real weights")
+    if loads and not policies:
+        raise ValueError("--serve-policies names no policy")
+    for policy in policies:
+        if policy != ADAPTIVE_NAME and fixed_action(policy) is None:
+            raise ValueError(f"--serve-policies: unknown policy {policy!r}; choose {ADAPTIVE_NAME} or one of: "
+                             f"{FIXED_POLICY_HELP}")
+    if args.serve_requests < 1:
+        raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
+    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens)
     pair, workload = load(args)
     inputs = decision_inputs(pair, args)
     name = Path(args.workload).stem if is_user_file(args.workload) else args.workload
@@ -378,6 +423,9 @@ def run(args) -> int:
             ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) \
                 if timed else None
             record_runs(writer, pair, requests, inputs, args, progress, ops_pass)
+        if loads:
+            served = sorted(requests.values(), key=lambda r: r.request_id)[:args.serve_requests]
+            record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

@@ -14,6 +14,13 @@ Four Parquet tables (DESIGN.md section 3):
   its token cap and every speculation round.
 - ``decisions``: one controller decision: features seen, action chosen, cost predicted,
   end-to-end seconds measured (NaN when not measured).
+- ``served``: one request served under load by the batching engine (``rakv.batch_engine``):
+  its times from the load's start (arrival, admission, first token, finish), preemptions,
+  decision, output and rounds; ``load`` names the load (``c=4``: four in flight; ``rate=0.5``:
+  Poisson arrivals at 0.5 requests/s).
+- ``steps``: one step of that engine: which requests ran, each one's kind (prefill chunk,
+  decode, verify) and rows, its context before the step, its round's drafter and k, and the
+  step's seconds (the draft's proposals, the target's forward, the whole step).
 
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
@@ -45,7 +52,9 @@ from rakv.op_timing import OP_KEY_FIELDS, OpRow
 # draft_top1_probs, runs max_new_tokens; the metadata holds the decision inputs
 # (META_DECISION_INPUTS) and run lengths reach 32. 1.3: ops and runs gained the optional
 # probe_s (the machine's speed beside each timing, ``profiler.run_noise.MachineSpeed``).
-SCHEMA_VERSION = "1.3"
+# 1.4: the served and steps tables (serving under load); ops gained the optional
+# num_requests (batched forwards, op "batch"; 1 where a file lacks it).
+SCHEMA_VERSION = "1.4"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -100,7 +109,7 @@ TABLES: dict[str, pa.Schema] = {
         ("num_bytes", pa.int64()),
         ("repeat", pa.int32()),
         ("seconds", pa.float64()),
-        optional=(PROBE_COLUMN,),
+        optional=(PROBE_COLUMN, ("num_requests", pa.int32())),
     ),
     "runs": _table_schema(
         ("request_id", pa.int64()),
@@ -140,6 +149,44 @@ TABLES: dict[str, pa.Schema] = {
         ("predicted_cost_s", pa.float64()),
         ("measured_e2e_s", pa.float64()),
     ),
+    "served": _table_schema(
+        ("load", pa.string()),  # c=N or rate=R
+        ("policy", pa.string()),
+        ("request_id", pa.int64()),  # the requests table's
+        ("arrival_s", pa.float64()),  # seconds from the load's start
+        ("admitted_s", pa.float64()),  # first admission: its store lookup and decision
+        ("first_token_s", pa.float64()),
+        ("finish_s", pa.float64()),
+        ("num_preemptions", pa.int32()),
+        ("r", pa.int8()),
+        ("drafter", pa.string()),
+        ("k", pa.int8()),
+        ("hit_tokens", pa.int32()),
+        ("reused_tokens", pa.int32()),
+        ("output_ids", pa.list_(pa.int32())),
+        ("identical_to_ar", pa.bool_()),  # equal to the requests table's greedy output
+        ("start_per_round", pa.list_(pa.int32())),
+        ("drafter_per_round", pa.list_(pa.string())),
+        ("accepted_per_round", pa.list_(pa.int16())),
+        ("k_per_round", pa.list_(pa.int16())),
+        ("proposed_per_round", pa.list_(pa.int16())),
+    ),
+    "steps": _table_schema(
+        ("load", pa.string()),
+        ("policy", pa.string()),
+        ("step", pa.int32()),  # 0-based, in order
+        ("start_s", pa.float64()),  # seconds from the load's start
+        ("seconds", pa.float64()),  # the whole step: scheduling, admissions, proposals, forward, finishes
+        ("propose_s", pa.float64()),  # the draft model's batched forwards and prompt lookups
+        ("forward_s", pa.float64()),  # the target's batched forward
+        # one entry per request that ran, in the step's order
+        ("request_ids", pa.list_(pa.int64())),
+        ("kinds", pa.list_(pa.string())),  # prefill, decode, verify
+        ("rows", pa.list_(pa.int32())),  # the rows it fed the target
+        ("num_cached", pa.list_(pa.int32())),  # its target cache's positions before the step
+        ("drafters", pa.list_(pa.string())),  # its round's drafter ("" where none)
+        ("ks", pa.list_(pa.int16())),
+    ),
 }
 
 # The metadata key of the ``rakv.settings.DecisionInputs`` (JSON) under ``config``, from 1.2.
@@ -153,6 +200,8 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
     "ops": OP_KEY_FIELDS,
     "runs": ("request_id", "policy"),
     "decisions": ("request_id", "policy"),
+    "served": ("load", "policy", "request_id"),
+    "steps": ("load", "policy", "step"),
 }
 
 
@@ -273,7 +322,65 @@ class DecisionRow:
     measured_e2e_s: float = float("nan")
 
 
-ROW_TYPES: dict[str, type] = {"requests": RequestRow, "ops": OpRow, "runs": RunRow, "decisions": DecisionRow}
+@dataclass(frozen=True)
+class ServedRow:
+    """One request served under ``load`` by the batching engine; its per-round tuples as
+    ``RunRow``'s. Times are seconds from the load's start."""
+    load: str
+    policy: str
+    request_id: int
+    arrival_s: float
+    admitted_s: float
+    first_token_s: float
+    finish_s: float
+    num_preemptions: int
+    r: int
+    drafter: str
+    k: int
+    hit_tokens: int
+    reused_tokens: int
+    output_ids: tuple[int, ...]
+    identical_to_ar: bool
+    start_per_round: tuple[int, ...]
+    drafter_per_round: tuple[str, ...]
+    accepted_per_round: tuple[int, ...]
+    k_per_round: tuple[int, ...]
+    proposed_per_round: tuple[int, ...]
+
+    def __post_init__(self):
+        _freeze(self)
+        if not self.arrival_s <= self.admitted_s <= self.first_token_s <= self.finish_s:
+            raise ValueError(f"served request {self.request_id}: times out of order: arrival {self.arrival_s}, "
+                             f"admitted {self.admitted_s}, first token {self.first_token_s}, finish {self.finish_s}")
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One batched step; the tuples have one entry per request that ran in it."""
+    load: str
+    policy: str
+    step: int
+    start_s: float
+    seconds: float
+    propose_s: float
+    forward_s: float
+    request_ids: tuple[int, ...]
+    kinds: tuple[str, ...]
+    rows: tuple[int, ...]
+    num_cached: tuple[int, ...]
+    drafters: tuple[str, ...]
+    ks: tuple[int, ...]
+
+    def __post_init__(self):
+        _freeze(self)
+        lengths = {len(self.request_ids), len(self.kinds), len(self.rows), len(self.num_cached),
+                   len(self.drafters), len(self.ks)}
+        if len(lengths) != 1:
+            raise ValueError(f"step {self.step}: per-request lists of different lengths {sorted(lengths)}")
+
+
+ROW_TYPES: dict[str, type] = {"requests": RequestRow, "ops": OpRow, "runs": RunRow, "decisions": DecisionRow,
+                              "served": ServedRow, "steps": StepRow}
 for _name, _row_type in ROW_TYPES.items():  # the row classes are the schema, spelled in Python
     assert [f.name for f in fields(_row_type)] == TABLES[_name].names, _name
 

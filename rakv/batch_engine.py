@@ -48,6 +48,25 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """What the last step ran, in the works' order: each request, its kind, the rows it fed
+    the target (a prompt-lookup proposal may be shorter than its k), its target cache's
+    positions before the step, its round's drafter ("" where none) and k; and the step's
+    seconds: proposals (the draft model's batched forwards and prompt lookups), the
+    target's forward, and the whole step (scheduling and admissions included)."""
+
+    request_ids: tuple[int, ...]
+    kinds: tuple[str, ...]
+    rows: tuple[int, ...]
+    num_cached: tuple[int, ...]
+    drafters: tuple[str, ...]
+    ks: tuple[int, ...]
+    propose_s: float
+    forward_s: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -71,6 +90,7 @@ class _Request:
     policy: Policy
     arrival_s: float
     decision: Decision | None = None  # made at its first admission
+    admitted_s: float = 0.0
     decide_s: float = 0.0
     target_cache: object = None
     drafters: dict = field(default_factory=dict)
@@ -97,6 +117,7 @@ class BatchEngine(Engine):
         self._target_bytes = measure_sizes(pair.target).kv_bytes_per_token
         self._draft_bytes = measure_sizes(pair.draft).kv_bytes_per_token if pair.draft is not None else 0
         self._finished = {"count": 0, "hit": 0, "prompt": 0, "rounds": 0, "accepted": 0}
+        self.last_step: StepRecord | None = None
 
     # -- requests ------------------------------------------------------------------
     def submit(self, prompt_ids, max_new_tokens: int, policy: Policy | None = None) -> int:
@@ -146,21 +167,31 @@ class BatchEngine(Engine):
     # -- a step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One step: the scheduler's works, one batched target forward, the tokens."""
-        return self.run_works(self.scheduler.schedule())
+        return self.run_works(self.scheduler.schedule(), time.perf_counter())
 
-    def run_works(self, works: list[Work]) -> list[TokenEvent]:
-        """Carry out a step's works (``Scheduler.schedule``'s, each of them once)."""
+    def run_works(self, works: list[Work], start_s: float | None = None) -> list[TokenEvent]:
+        """Carry out a step's works (``Scheduler.schedule``'s, each of them once); the step's
+        account goes to ``last_step`` (timed from ``start_s``, default now)."""
+        start_s = time.perf_counter() if start_s is None else start_s
         reqs = [self._requests[w.seq.request_id] for w in works]
+        num_cached = tuple(w.seq.num_computed for w in works)
+        proposed_s = time.perf_counter()
         proposals = self._propose(works, reqs)
         feeds = [self._feed(w, r, p) for w, r, p in zip(works, reqs, proposals)]
+        forward_start_s = time.perf_counter()
         logits = forward_many(self.pair.target, [r.target_cache for r in reqs], [f[0] for f in feeds],
                               [f[1] for f in feeds]) if works else []
+        forward_s = time.perf_counter() - forward_start_s
         for work, req, proposal, rows in zip(works, reqs, proposals, logits):
             self._advance(work, req, proposal, rows)
         for seq in list(self.scheduler.running):
             req = self._requests[seq.request_id]
             if req.moves is not None and req.seq.t >= req.moves.end:
                 self._finish(req)
+        self.last_step = StepRecord(
+            tuple(w.seq.request_id for w in works), tuple(w.kind for w in works), tuple(len(f[0]) for f in feeds),
+            num_cached, tuple(w.drafter or "" for w in works), tuple(w.k for w in works),
+            forward_start_s - proposed_s, forward_s, time.perf_counter() - start_s)
         events, self._events = self._events, []
         return events
 
@@ -232,6 +263,7 @@ class BatchEngine(Engine):
         start), when the scheduler first admits it."""
         start = time.perf_counter()
         req = self._requests[seq.request_id]
+        req.admitted_s = start
         req.decision = decision = self.decide(req.prompt, seq.max_new_tokens, req.policy)
         req.draft_seen = decision.draft_reused or 0
         req.drafters = self._drafters(decision.planner.drafters, decision.draft_match, req.draft_seen)
@@ -282,7 +314,8 @@ class BatchEngine(Engine):
             hit_tokens=decision.match.hit_tokens, reused_tokens=decision.reuse.reused_tokens,
             draft_reused_tokens=decision.draft_reused or 0, hit_kind=decision.reuse.hit_kind,
             output_ids=tuple(req.tokens[n:]), ttft_s=req.first_token_s - req.arrival_s, e2e_s=now - req.arrival_s,
-            decide_s=req.decide_s, rounds=tuple(req.rounds))
+            decide_s=req.decide_s, rounds=tuple(req.rounds), queue_s=req.admitted_s - req.arrival_s,
+            num_preemptions=seq.num_preemptions)
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]
         f = self._finished

@@ -56,6 +56,8 @@ class RequestResult:
     e2e_s: float
     decide_s: float  # lookup plus the policy's decision
     rounds: tuple[RoundRecord, ...]
+    queue_s: float = 0.0  # arrival to admission (the batching engine's; 0 at batch 1)
+    num_preemptions: int = 0  # times the batching engine dropped its state to recompute it
 
     @property
     def accepted_per_round(self) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-OP_KEY_FIELDS = ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat")
+OP_KEY_FIELDS = ("model", "op", "num_new_tokens", "num_cached_tokens", "k", "num_bytes", "repeat", "num_requests")
 
 
 @dataclass(frozen=True)
@@ -26,14 +26,15 @@ class OpRow:
     """One timed operation; ``repeat`` is the measurement's index among same-shape repeats,
     so the ``OP_KEY_FIELDS`` identify a row."""
     model: str  # target, draft, store, ngram
-    op: str  # prefill, decode, verify, clone, lookup, insert, propose
-    num_new_tokens: int
-    num_cached_tokens: int
+    op: str  # prefill, decode, verify, batch, clone, lookup, insert, propose
+    num_new_tokens: int  # batch: each request's rows
+    num_cached_tokens: int  # batch: each request's context
     k: int
     num_bytes: int
     repeat: int
     seconds: float
     probe_s: float | None = None  # the machine's speed beside it (a recording's ``MachineSpeed``)
+    num_requests: int = 1  # batch: the requests whose rows one forward runs (each against its own cache)
 
     @property
     def key(self) -> tuple:
@@ -50,6 +51,11 @@ class OpGrid:
     verify_context: tuple[int, ...] = (16,)
     store_tokens: tuple[int, ...] = (128,)
     ngram_history: tuple[int, ...] = (1024,)
+    # batched forwards (``decoding.forward_many``, the batching engine's step): this many
+    # requests, each with these rows after this context; none in a calibration
+    batch_requests: tuple[int, ...] = ()
+    batch_rows: tuple[int, ...] = (1,)
+    batch_context: tuple[int, ...] = (128,)
     warmup: int = 1
     repeats: int = 3
 
@@ -71,6 +77,13 @@ RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 6
                         decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8, 12, 16),
                         verify_context=(128, 1024), store_tokens=(128, 1024),
                         ngram_history=(256, 2048), warmup=2, repeats=5)
+# A serving recording's grid: a few points of each batch-1 op, and the batched forwards of
+# 1-8 requests (a decode row, a verification of k = 1 and of k = 4) at a short and a long
+# context, for a step's cost over its rows and its requests' contexts (SERVING.md).
+SERVING_GRID = OpGrid(prefill_new=(1, 4, 16, 64, 128), prefill_cached=(0, 256), decode_context=(16, 256, 1024),
+                      verify_k=(1, 2, 4, 8), verify_context=(128,), store_tokens=(128, 1024),
+                      ngram_history=(256,), batch_requests=(1, 2, 4, 8), batch_rows=(1, 2, 5),
+                      batch_context=(128, 512), warmup=1, repeats=3)
 
 
 # A calibration leaves out a point guessed to take longer than this (a prefill of many
@@ -140,17 +153,20 @@ class PointTimer:
             yield OpRow(repeat=repeat, seconds=self.timer.seconds(fn), probe_s=probe_s, **row)
 
 
-def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0, num_bytes: int = 0) -> dict:
-    return dict(model=model, op=op, num_new_tokens=num_new, num_cached_tokens=num_cached, k=k, num_bytes=num_bytes)
+def _row(model: str, op: str, num_new: int = 0, num_cached: int = 0, k: int = 0, num_bytes: int = 0,
+         num_requests: int = 1) -> dict:
+    return dict(model=model, op=op, num_new_tokens=num_new, num_cached_tokens=num_cached, k=k, num_bytes=num_bytes,
+                num_requests=num_requests)
 
 
 def measure_model(model, role: str, points: PointTimer, max_positions: int, caches: dict,
                   seed: int = 0) -> Iterator[OpRow]:
     """prefill (n new after c cached), decode (one token after c), verify (k + 1 tokens
-    after c); the prefilled contexts kept in ``caches`` (by role and length) for the next
-    pass (a forward rolls its context back)."""
+    after c), batch (r rows after c for each of b requests, in one batched forward); the
+    prefilled contexts kept in ``caches`` (by role and length) for the next pass (a
+    forward rolls its context back)."""
     import torch
-    from rakv.decoding import crop_to, forward
+    from rakv.decoding import crop_to, forward, forward_many
     from rakv.kv_cache import GrowingCache
     from rakv.kv_store import model_sizes
 
@@ -187,6 +203,18 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
                 if c + k + 1 < max_positions:
                     yield from points(after(cache_of(c), tokens[c:c + k + 1], k + 1),
                                        **_row(role, "verify", k + 1, c, k=k))
+        for c in points.grid.batch_context:
+            if c == 0 or c + max(points.grid.batch_rows, default=0) >= max_positions:
+                continue
+            for b in points.grid.batch_requests:
+                # b requests' own caches (copies: attention runs per request, on its own cache)
+                own = [GrowingCache([(layer.keys, layer.values) for layer in cache_of(c).layers]) for _ in range(b)]
+                for r in points.grid.batch_rows:
+                    def batched(own=own, r=r, c=c):
+                        forward_many(model, own, [tokens[c:c + r]] * len(own), [r] * len(own))
+                        for cache in own:
+                            crop_to(cache, c)
+                    yield from points(batched, **_row(role, "batch", r, c, num_requests=b))
 
 
 def measure_store(model, points: PointTimer, max_positions: int, caches: dict) -> Iterator[OpRow]:

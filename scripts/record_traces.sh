@@ -9,7 +9,9 @@
 # (RAKV_CORE, default the last core); keep the machine quiet meanwhile: a recording made
 # beside other work is slower, and unevenly so, and its fit inherits the noise. The Qwen
 # acceptance traces (--skip ops runs) hold no timing and name the -runs trace that does, so
-# they need no quiet machine and each recording fits in a working session. Each finished
+# they need no quiet machine and each recording fits in a working session. The -serve
+# traces hold the batching engine serving 16 requests at 1, 2, 4 and 8 in flight (and a
+# Poisson rate) under ar and rakv, and the op grid over batch shapes. Each finished
 # recording's command, wall time, size, load average and noise guards' account (runs timed
 # again, waits for a slow machine) are appended to traces/RECORDINGS.md.
 set -euo pipefail
@@ -31,6 +33,9 @@ TRACES=(
   "qwen-coder-sharegpt-runs|--pair qwen-coder --workload sharegpt --requests 10 --max-new-tokens 64 --grid recording --runs-sample 10 --runs-max-new-tokens 32"
   "qwen-coder-humaneval|--pair qwen-coder --workload humaneval --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
   "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
+  "smollm2-humaneval-serve|--pair smollm2 --workload humaneval --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
+  "smollm2-chat-serve|--pair smollm2 --workload chat --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
+  "qwen-coder-humaneval-serve|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8"
 )
 
 if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then

@@ -23,7 +23,8 @@ from bench.llama_server import LlamaServer, server_command, stop, wait_ready
 from bench.serve_client import ServeError, make_client, run_load
 from bench.serve_stats import (RequestRecord, Slo, count_differences, inter_token_latencies, meets_slo, parse_slo,
                                percentiles, split_tokens, summarize)
-from bench.serve_workload import Prompt, arrivals_s, load_prompts, read_jsonl
+from bench.serve_workload import Prompt, load_prompts, read_jsonl
+from profiler.arrivals import arrivals_s
 
 MODEL = "fake-model"
 

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from profiler.schema import (KEY_COLUMNS, SCHEMA_VERSION, TABLES, DecisionRow, DrafterRunLengths, OpRow, RequestRow,
-                             RunRow, TraceError, TraceMeta, rows_to_table, table_to_rows)
+                             RunRow, ServedRow, StepRow, TraceError, TraceMeta, rows_to_table, table_to_rows)
 from profiler.hardware import hardware_fingerprint
 from profiler.trace_io import TraceWriter, final_path, parts_dir, read_meta, read_table
 
@@ -34,8 +34,9 @@ def request_row(i: int) -> RequestRow:
 
 
 def op_row(i: int) -> OpRow:
-    return OpRow(model="target" if i % 2 else "draft", op="verify", num_new_tokens=i % 9 + 1,
-                 num_cached_tokens=16 * i, k=i % 9, num_bytes=(1 << 33) + i, repeat=i, seconds=1e-3 * (i + 1))
+    return OpRow(model="target" if i % 2 else "draft", op="verify" if i % 3 else "batch", num_new_tokens=i % 9 + 1,
+                 num_cached_tokens=16 * i, k=i % 9, num_bytes=(1 << 33) + i, repeat=i, seconds=1e-3 * (i + 1),
+                 num_requests=1 if i % 3 else 8)
 
 
 def run_row(i: int) -> RunRow:
@@ -52,7 +53,21 @@ def decision_row(i: int) -> DecisionRow:
                        measured_e2e_s=float("nan") if i == 0 else 0.04 * i)
 
 
-MAKERS = {"requests": request_row, "ops": op_row, "runs": run_row, "decisions": decision_row}
+def served_row(i: int) -> ServedRow:
+    return ServedRow(load=f"c={1 + i % 4}", policy="rakv", request_id=i, arrival_s=0.5 * i, admitted_s=0.5 * i + 0.01,
+                     first_token_s=0.5 * i + 0.2, finish_s=1.0 + i, num_preemptions=i % 2, r=1, drafter="draft", k=4,
+                     hit_tokens=i, reused_tokens=i, output_ids=[5, 6, 7], identical_to_ar=True, start_per_round=[1],
+                     drafter_per_round=["draft"], accepted_per_round=[1], k_per_round=[4], proposed_per_round=[4])
+
+
+def step_row(i: int) -> StepRow:
+    return StepRow(load="rate=0.5", policy="ar", step=i, start_s=0.1 * i, seconds=0.09, propose_s=0.01, forward_s=0.07,
+                   request_ids=[i, i + 1], kinds=["prefill", "verify"], rows=[64, 5], num_cached=[0, 130],
+                   drafters=["", "draft"], ks=[0, 4])
+
+
+MAKERS = {"requests": request_row, "ops": op_row, "runs": run_row, "decisions": decision_row, "served": served_row,
+          "steps": step_row}
 
 
 def same_rows(a: list, b: list) -> bool:

@@ -1,0 +1,133 @@
+"""Serving under load, recorded: the batching engine (``rakv.batch_engine``) driven at a
+fixed concurrency or at Poisson arrivals, each request and each step written to the
+``served`` and ``steps`` tables (``profiler.schema``).
+
+A load is ``c=N`` (closed loop: N requests in flight, the next submitted when one
+finishes, in request order) or ``rate=R`` (open loop: Poisson arrivals at R requests/s,
+from the workload seed's arrival stream, each submitted at the first step boundary after
+it arrives, as a server's engine thread takes it). Each (load, policy) runs in a fresh
+engine with an empty store, after an untimed warm-up, on the requests the recording's
+requests table holds (their prompts, token caps and greedy outputs): every served output
+is checked against its greedy output (``identical_to_ar``).
+
+Invariants: a (load, policy) is written whole, its steps before its requests, each table
+flushed at once; a resumed recording skips the (load, policy) pairs whose requests are
+written (so a crash mid-load runs that load again from its start) and writes no step
+twice. Times are seconds from the load's start on ``time.perf_counter``.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from profiler.arrivals import arrivals_s
+from profiler.schema import RequestRow, ServedRow, StepRow
+
+
+@dataclass(frozen=True)
+class Load:
+    concurrency: int | None = None  # closed loop
+    rate_per_s: float | None = None  # open loop, Poisson
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate_per_s:g}"
+
+
+def loads_of(concurrencies: tuple[float, ...] = (), rates: tuple[float, ...] = ()) -> list[Load]:
+    return [Load(concurrency=int(c)) for c in concurrencies] + [Load(rate_per_s=r) for r in rates]
+
+
+@dataclass(frozen=True)
+class ServedLoad:
+    requests: list[ServedRow]
+    steps: list[StepRow]
+
+
+def serve_load(engine, requests: list[RequestRow], load: Load, policy_name: str, seed: int = 0,
+               progress=None) -> ServedLoad:
+    """Serve ``requests`` on ``engine`` (a ``BatchEngine``, empty) under ``load``; every
+    request and step as rows. ``progress``: a tqdm-like bar, updated per finished request."""
+    arrivals = arrivals_s(len(requests), load.rate_per_s, seed) if load.rate_per_s is not None else None
+    pending = deque(range(len(requests)))
+    submitted: dict[int, tuple[int, float, float]] = {}  # engine id -> (index, arrival_s, submitted_s)
+    served: list[ServedRow] = []
+    steps: list[StepRow] = []
+    start = time.perf_counter()
+
+    def submit(index: int, arrival_s: float) -> None:
+        row = requests[index]
+        request_id = engine.submit(list(row.prompt_ids), row.max_new_tokens)
+        submitted[request_id] = (index, arrival_s, time.perf_counter() - start)
+
+    while pending or engine.has_work():
+        now = time.perf_counter() - start
+        if arrivals is None:
+            while pending and len(submitted) - len(served) < load.concurrency:
+                submit(pending.popleft(), now)
+        else:
+            while pending and arrivals[pending[0]] <= now:
+                index = pending.popleft()
+                submit(index, arrivals[index])
+            if not engine.has_work():
+                time.sleep(max(arrivals[pending[0]] - now, 0.0))  # idle until the next arrival
+                continue
+        step_start = time.perf_counter() - start
+        events = engine.step()
+        steps.append(StepRow(load.label, policy_name, len(steps), step_start, **asdict(engine.last_step)))
+        for event in (e for e in events if e.finished):
+            index, arrival_s, submitted_s = submitted[event.request_id]
+            served.append(served_row(load.label, policy_name, requests[index], event.result, arrival_s, submitted_s))
+            if progress is not None:
+                progress.update(1)
+    return ServedLoad(served, steps)
+
+
+def served_row(load: str, policy: str, request: RequestRow, result, arrival_s: float,
+               submitted_s: float) -> ServedRow:
+    """``result`` (a ``RequestResult``, timed from its submission) as a row timed from the
+    load's start."""
+    action, rounds = result.action, result.rounds
+    return ServedRow(
+        load=load, policy=policy, request_id=request.request_id, arrival_s=arrival_s,
+        admitted_s=submitted_s + result.queue_s, first_token_s=submitted_s + result.ttft_s,
+        finish_s=submitted_s + result.e2e_s, num_preemptions=result.num_preemptions, r=action.r,
+        drafter=action.drafter, k=action.k, hit_tokens=result.hit_tokens, reused_tokens=result.reused_tokens,
+        output_ids=result.output_ids, identical_to_ar=tuple(result.output_ids) == tuple(request.output_ids),
+        start_per_round=[r.start for r in rounds], drafter_per_round=[r.drafter for r in rounds],
+        accepted_per_round=[r.accepted for r in rounds], k_per_round=[r.k for r in rounds],
+        proposed_per_round=[r.num_proposed for r in rounds])
+
+
+def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, loads: list[Load],
+                   policies: list[str], seed: int, progress) -> None:
+    """Every load under every policy (``loads_of``), each in a fresh ``BatchEngine`` with
+    ``batch`` (a ``BatchConfig``) and the recording's decision inputs; the (load, policy)
+    pairs already written are skipped. A request whose served output differs from its
+    greedy output is reported on stderr (it would be a bug: batching never changes a token)."""
+    import sys
+
+    from rakv.batch_engine import BatchEngine
+    from rakv.controller import make_policy
+
+    done = {(load, policy) for load, policy, _ in writer.existing_keys("served")}
+    written_steps = writer.existing_keys("steps")
+
+    def engine_for(name: str) -> BatchEngine:
+        return BatchEngine(pair, make_policy(name, inputs.timings, inputs.controller), inputs.engine, batch)
+    todo = [(load, name) for load in loads for name in policies if (load.label, name) not in done]
+    if todo:  # warm-up, untimed: the first steps of a process pay for lazy setup
+        engine_for(policies[0]).run([(list(r.prompt_ids), min(r.max_new_tokens, 8)) for r in requests[:2]])
+    for load, name in todo:
+        bar = progress(total=len(requests), desc=f"served {load.label} {name}", unit="request")
+        result = serve_load(engine_for(name), requests, load, name, seed, bar)
+        bar.close()
+        writer.append("steps", [s for s in result.steps if (s.load, s.policy, s.step) not in written_steps])
+        writer.flush()
+        writer.append("served", result.requests)
+        writer.flush()
+        differ = sum(not r.identical_to_ar for r in result.requests)
+        if differ:
+            print(f"warning: served {load.label} {name}: {differ} of {len(result.requests)} outputs differ from "
+                  "their greedy outputs", file=sys.stderr)

@@ -1,0 +1,128 @@
+"""profiler.record serving under load (the served and steps tables) on the tiny pair: every
+served output is the request's greedy output, the steps account for every request's rows
+within the step limits, the batched op grid, resume after an interrupt, one-line errors."""
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+import profiler.serve_record
+from profiler.record import main, parse_args
+from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
+from profiler.trace_io import final_path, read_meta, read_table
+
+SERVE = ["--pair", "tiny", "--workload", "fixture-chat", "--max-new-tokens", "16", "--grid", "serving",
+         "--skip", "runs", "--serve-requests", "6", "--max-num-seqs", "3", "--max-num-batched-tokens", "24"]
+LOADS = ["--serve-concurrency", "1,4", "--serve-rate", "40"]
+
+
+def rows(trace, table):
+    return table_to_rows(table, read_table(trace, table))
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("served") / "tiny"
+    assert main(SERVE + LOADS + ["--out", str(out)]) == 0
+    return out
+
+
+def test_every_load_serves_every_request_once_with_its_greedy_output(trace):
+    requests = {r.request_id: r for r in rows(trace, "requests")}
+    served = rows(trace, "served")
+    assert Counter((r.load, r.policy) for r in served) == {
+        (load, policy): 6 for load in ("c=1", "c=4", "rate=40") for policy in ("ar", "rakv")}
+    for row in served:
+        assert row.identical_to_ar and row.output_ids == requests[row.request_id].output_ids
+        assert row.arrival_s <= row.admitted_s <= row.first_token_s <= row.finish_s
+    rakv = [r for r in served if r.policy == "rakv"]
+    assert sum(len(r.k_per_round) for r in rakv) > 0  # the tiny pair's draft is a noisy copy: rounds happen
+
+
+def test_steps_account_for_every_row_within_the_limits(trace):
+    requests = {r.request_id: r for r in rows(trace, "requests")}
+    served = {(r.load, r.policy, r.request_id): r for r in rows(trace, "served")}
+    by_run = defaultdict(list)
+    for step in rows(trace, "steps"):
+        by_run[step.load, step.policy].append(step)
+    assert len(by_run) == 6
+    for (load, policy), steps in by_run.items():
+        assert [s.step for s in steps] == list(range(len(steps)))
+        assert all(a.start_s <= b.start_s for a, b in zip(steps, steps[1:]))
+        prefilled, verifies = Counter(), Counter()
+        for s in steps:
+            assert sum(s.rows) <= 24 and len(s.request_ids) <= 3 and len(set(s.request_ids)) == len(s.request_ids)
+            assert s.forward_s + s.propose_s <= s.seconds
+            for request_id, kind, num_rows, k in zip(s.request_ids, s.kinds, s.rows, s.ks):
+                if kind == "prefill":
+                    prefilled[request_id] += num_rows
+                elif kind == "verify":
+                    verifies[request_id] += 1
+                    assert 2 <= num_rows <= k + 1
+                else:
+                    assert kind == "decode" and num_rows == 1
+        for request_id, request in requests.items():
+            if (load, policy, request_id) not in served:
+                continue
+            row = served[load, policy, request_id]
+            assert row.num_preemptions == 0  # the default memory budget holds them all
+            assert prefilled[request_id] == len(request.prompt_ids) - row.reused_tokens
+            assert verifies[request_id] == len(row.k_per_round)
+
+
+def test_the_serving_grid_times_batched_forwards(trace):
+    batched = [r for r in rows(trace, "ops") if r.op == "batch"]
+    shapes = {(r.model, r.num_requests, r.num_new_tokens, r.num_cached_tokens) for r in batched}
+    max_positions = read_meta(trace).config[META_DECISION_INPUTS]["max_positions"]  # the tiny pair's: 256
+    assert shapes == {(m, b, r, c) for m in ("target", "draft") for b in (1, 2, 4, 8) for r in (1, 2, 5)
+                      for c in (128, 512) if c + 5 < max_positions}
+    assert all(r.seconds > 0 for r in batched)
+
+
+def test_an_interrupted_serving_recording_resumes_without_running_a_load_twice(tmp_path, monkeypatch):
+    out = tmp_path / "interrupted"
+    real, calls = profiler.serve_record.serve_load, []
+
+    def interrupting(engine, requests, load, policy, *args, **kwargs):
+        calls.append((load.label, policy))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(engine, requests, load, policy, *args, **kwargs)
+    monkeypatch.setattr(profiler.serve_record, "serve_load", interrupting)
+    argv = SERVE + ["--serve-concurrency", "1,2", "--out", str(out)]
+    assert main(argv) == 130
+    assert {(r.load, r.policy) for r in rows(out, "served")} == {("c=1", "ar"), ("c=1", "rakv")}
+    calls.clear()
+    assert main(argv + ["--resume"]) == 0
+    assert calls == [("c=2", "ar"), ("c=2", "rakv")]
+    for table in ("served", "steps"):
+        keys = [tuple(getattr(r, c) for c in KEY_COLUMNS[table]) for r in rows(out, table)]
+        assert len(keys) == len(set(keys)) and final_path(out, table).is_file()
+    assert len(rows(out, "served")) == 4 * 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--serve-concurrency", "0"], "--serve-concurrency: '0' must be a whole number >= 1"),
+    (["--serve-rate", "fast"], "--serve-rate: 'fast' is not a number"),
+    (["--serve-concurrency", "2", "--serve-policies", "ar,nope"], "--serve-policies: unknown policy 'nope'"),
+    (["--serve-concurrency", "2", "--skip", "requests"], "serving under load serves the recorded requests"),
+    (["--serve-concurrency", "2", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+])
+def test_bad_serving_arguments_are_one_line(tmp_path, capsys, argv, message):
+    try:  # argparse's own errors exit with status 2 after its usage line
+        status = main(["--pair", "tiny"] + argv + ["--out", str(tmp_path / "x")])
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_every_command_of_the_scripted_recorder_parses():
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "record_traces.sh").read_text()
+    entries = re.findall(r'^  "([\w-]+)\|([^"]+)"$', script, re.M)
+    assert {"smollm2-humaneval-serve", "qwen-coder-humaneval-serve"} <= {name for name, _ in entries}
+    for _, args in entries:
+        parse_args(args.split())
