@@ -40,7 +40,7 @@ from bench.serve_client import (RunResult, ServeError, Server, make_client, reso
                                 warm_up)
 from bench.serve_stats import RunSummary, Slo, count_differences, parse_slo, summarize
 from bench.serve_workload import SHIPPED, Prompt, WorkloadFileError, load_prompts
-from profiler.arrivals import arrivals_s, parse_loads
+from profiler.arrivals import arrivals_s, loads_type
 from rakv.cli import run_cli
 
 LLAMA_NAME = "llama.cpp"
@@ -127,15 +127,6 @@ def server_spec(text: str) -> tuple[str, str]:
     return name, url.rstrip("/")
 
 
-def _loads_type(what: str, integer: bool):
-    def parse(text: str) -> tuple[float, ...]:
-        try:
-            return parse_loads(text, what, integer)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return parse
-
-
 def _slo_type(text: str) -> Slo:
     try:
         return parse_slo(text)
@@ -196,10 +187,10 @@ def parser() -> argparse.ArgumentParser:
     work.add_argument("--seed", type=int, default=0,
                       help="the seed of the arrival times and of a sampled workload's choice (default: 0)")
     load = p.add_argument_group("load (one of)").add_mutually_exclusive_group()
-    load.add_argument("--request-rate", type=_loads_type("--request-rate", False), default=(math.inf,),
+    load.add_argument("--request-rate", type=loads_type("--request-rate", False), default=(math.inf,),
                       metavar="R[,R...]", help="Poisson arrivals at R requests/s (inf: all at once); a list runs "
                                                "each rate in turn (default: inf)")
-    load.add_argument("--concurrency", type=_loads_type("--concurrency", True), metavar="C[,C...]",
+    load.add_argument("--concurrency", type=loads_type("--concurrency", True), metavar="C[,C...]",
                       help="keep C requests in flight (the next sent when one finishes); a list runs each in turn")
     run = p.add_argument_group("measurement")
     run.add_argument("--warmup", type=int, default=2,

@@ -54,3 +54,15 @@ def arrivals_s(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
     if math.isinf(rate_per_s):
         return (0.0,) * count
     return tuple(poisson_arrivals_s(count, rate_per_s, np.random.default_rng((int(seed), _ARRIVAL_STREAM))))
+
+
+def loads_type(what: str, integer: bool):
+    """argparse's ``type`` for a list of loads (``parse_loads``) given to option ``what``."""
+    import argparse
+
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            return parse_loads(text, what, integer)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{what}: ")) from None  # argparse names it
+    return parse

@@ -41,7 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from profiler.arrivals import parse_loads
+from profiler.arrivals import loads_type
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, mean_probe_s,
                                 median_attempt, priced_s)
@@ -95,10 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="op timing grid: serving adds batched forwards of 1-8 requests (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
     serve = p.add_argument_group("serving under load (the served and steps tables)")
-    serve.add_argument("--serve-concurrency", type=_loads("--serve-concurrency", True), default=(), metavar="C[,C...]",
+    serve.add_argument("--serve-concurrency", type=loads_type("--serve-concurrency", True), default=(), metavar="C[,C...]",
                        help="serve with C requests in flight, the next submitted when one finishes; a list records "
                             "each load in turn")
-    serve.add_argument("--serve-rate", type=_loads("--serve-rate", False), default=(), metavar="R[,R...]",
+    serve.add_argument("--serve-rate", type=loads_type("--serve-rate", False), default=(), metavar="R[,R...]",
                        help="serve Poisson arrivals at R requests/s (the workload seed's arrival times)")
     serve.add_argument("--serve-policies", default="ar,rakv",
                        help="comma-separated policies, each load served under each (default: ar,rakv)")
@@ -120,16 +120,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flush-rows", type=int, default=16, help="rows per flushed part file (default: 16)")
     return p.parse_args(argv)
-
-
-def _loads(what: str, integer: bool):
-    """argparse's type for a list of loads (``profiler.arrivals.parse_loads``)."""
-    def parse(text: str) -> tuple[float, ...]:
-        try:
-            return parse_loads(text, what, integer)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return parse
 
 
 def load(args):
