@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import profiler.serve_record
+from profiler import serve_summary
 from profiler.record import main, parse_args
 from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
 from profiler.trace_io import final_path, read_meta, read_table
@@ -126,3 +127,18 @@ def test_every_command_of_the_scripted_recorder_parses():
     assert {"smollm2-humaneval-serve", "qwen-coder-humaneval-serve"} <= {name for name, _ in entries}
     for _, args in entries:
         parse_args(args.split())
+
+
+def test_the_summary_has_a_row_per_load_and_policy(trace, capsys):
+    assert serve_summary.main(["--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    for load in ("c=1", "c=4", "rate=40"):
+        for policy in ("ar", "rakv"):
+            assert f"| {load} | {policy} |" in out and "| 6 of 6 | 0 |" in out
+    assert "| target | 128 | 8 x 5 |" in out
+
+
+def test_the_summary_of_a_trace_without_serving_is_one_line(tmp_path, capsys):
+    assert serve_summary.main(["--trace", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
