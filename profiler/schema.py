@@ -20,7 +20,7 @@ Four Parquet tables (DESIGN.md section 3):
   Poisson arrivals at 0.5 requests/s).
 - ``steps``: one step of that engine: which requests ran, each one's kind (prefill chunk,
   decode, verify) and rows, its context before the step, its round's drafter and k, and the
-  step's seconds (the draft's proposals, the target's forward, the whole step).
+  step's seconds (the draft's proposals, the target's forward, all of its works).
 
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
@@ -176,7 +176,9 @@ TABLES: dict[str, pa.Schema] = {
         ("policy", pa.string()),
         ("step", pa.int32()),  # 0-based, in order
         ("start_s", pa.float64()),  # seconds from the load's start
-        ("seconds", pa.float64()),  # the whole step: scheduling, admissions, proposals, forward, finishes
+        # the works: proposals, forward, rounds and finishes; not the scheduling and admissions
+        # before them (the next step's start_s minus this one's is the whole step)
+        ("seconds", pa.float64()),
         ("propose_s", pa.float64()),  # the draft model's batched forwards and prompt lookups
         ("forward_s", pa.float64()),  # the target's batched forward
         # one entry per request that ran, in the step's order

@@ -53,7 +53,8 @@ class StepRecord:
     the target (a prompt-lookup proposal may be shorter than its k), its target cache's
     positions before the step, its round's drafter ("" where none) and k; and the step's
     seconds: proposals (the draft model's batched forwards and prompt lookups), the
-    target's forward, and the whole step (scheduling and admissions included)."""
+    target's forward, and all of the works' (those two, the rounds' bookkeeping and
+    finishes; not the scheduling before, whose admissions look the store up and decide)."""
 
     request_ids: tuple[int, ...]
     kinds: tuple[str, ...]
@@ -167,15 +168,14 @@ class BatchEngine(Engine):
     # -- a step --------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One step: the scheduler's works, one batched target forward, the tokens."""
-        return self.run_works(self.scheduler.schedule(), time.perf_counter())
+        return self.run_works(self.scheduler.schedule())
 
-    def run_works(self, works: list[Work], start_s: float | None = None) -> list[TokenEvent]:
+    def run_works(self, works: list[Work]) -> list[TokenEvent]:
         """Carry out a step's works (``Scheduler.schedule``'s, each of them once); the step's
-        account goes to ``last_step`` (timed from ``start_s``, default now)."""
-        start_s = time.perf_counter() if start_s is None else start_s
+        account goes to ``last_step``."""
+        start_s = time.perf_counter()
         reqs = [self._requests[w.seq.request_id] for w in works]
         num_cached = tuple(w.seq.num_computed for w in works)
-        proposed_s = time.perf_counter()
         proposals = self._propose(works, reqs)
         feeds = [self._feed(w, r, p) for w, r, p in zip(works, reqs, proposals)]
         forward_start_s = time.perf_counter()
@@ -191,7 +191,7 @@ class BatchEngine(Engine):
         self.last_step = StepRecord(
             tuple(w.seq.request_id for w in works), tuple(w.kind for w in works), tuple(len(f[0]) for f in feeds),
             num_cached, tuple(w.drafter or "" for w in works), tuple(w.k for w in works),
-            forward_start_s - proposed_s, forward_s, time.perf_counter() - start_s)
+            forward_start_s - start_s, forward_s, time.perf_counter() - start_s)
         events, self._events = self._events, []
         return events
 
