@@ -17,6 +17,7 @@ twice. Times are seconds from the load's start on ``time.perf_counter``.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -106,8 +107,6 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
     ``batch`` (a ``BatchConfig``) and the recording's decision inputs; the (load, policy)
     pairs already written are skipped. A request whose served output differs from its
     greedy output is reported on stderr (it would be a bug: batching never changes a token)."""
-    import sys
-
     from rakv.batch_engine import BatchEngine
     from rakv.controller import make_policy
 
