@@ -51,10 +51,11 @@ from profiler.serve_record import loads_of, record_serving
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import add_precision_arguments, run_cli
-from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_action, fixed_policy_names
+from rakv.choices import fixed_policy_names
 from rakv.controller import ControllerConfig
 from rakv.scheduler import BatchConfig
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
+from rakv.policies import check_policy
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
 
 RECORDED_MAX_K = 32  # run lengths are recorded up to this many draft tokens
@@ -391,10 +392,11 @@ def run(args) -> int:
         raise ValueError("serving under load serves the recorded requests: do not skip them, and use real weights")
     if loads and not policies:
         raise ValueError("--serve-policies names no policy")
-    for policy in policies:
-        if policy != ADAPTIVE_NAME and fixed_action(policy) is None:
-            raise ValueError(f"--serve-policies: unknown policy {policy!r}; choose {ADAPTIVE_NAME} or one of: "
-                             f"{FIXED_POLICY_HELP}")
+    for policy in policies:  # a bad name or policy file fails before any model loads
+        try:
+            check_policy(policy, args.pair)
+        except ValueError as exc:
+            raise ValueError(f"--serve-policies: {exc}") from None
     if args.serve_requests < 1:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens)

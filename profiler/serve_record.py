@@ -103,18 +103,21 @@ def served_row(load: str, policy: str, request: RequestRow, result, arrival_s: f
 
 def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, loads: list[Load],
                    policies: list[str], seed: int, progress) -> None:
-    """Every load under every policy (``loads_of``), each in a fresh ``BatchEngine`` with
+    """Every load under every policy (a name ``rakv.policies.resolve_policy`` takes: fixed,
+    ``rakv`` or learned), each in a fresh ``BatchEngine`` with
     ``batch`` (a ``BatchConfig``) and the recording's decision inputs; the (load, policy)
     pairs already written are skipped. A request whose served output differs from its
     greedy output is reported on stderr (it would be a bug: batching never changes a token)."""
     from rakv.batch_engine import BatchEngine
-    from rakv.controller import make_policy
+    from rakv.policies import resolve_policy
 
     done = {(load, policy) for load, policy, _ in writer.existing_keys("served")}
     written_steps = writer.existing_keys("steps")
 
     def engine_for(name: str) -> BatchEngine:
-        return BatchEngine(pair, make_policy(name, inputs.timings, inputs.controller), inputs.engine, batch)
+        policy = resolve_policy(name, inputs.timings, inputs.controller, pair.target_fingerprint,
+                                pair.draft_fingerprint, pair.name)
+        return BatchEngine(pair, policy, inputs.engine, batch)
     todo = [(load, name) for load in loads for name in policies if (load.label, name) not in done]
     if todo:  # warm-up, untimed: the first steps of a process pay for lazy setup
         engine_for(policies[0]).run([(list(r.prompt_ids), min(r.max_new_tokens, 8)) for r in requests[:2]])
