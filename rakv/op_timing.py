@@ -206,9 +206,11 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
         for c in points.grid.batch_context:
             if c == 0 or c + max(points.grid.batch_rows, default=0) >= max_positions:
                 continue
+            # the requests' own caches, copies of one context (attention runs per request, on its own)
+            copies = [GrowingCache([(layer.keys, layer.values) for layer in cache_of(c).layers])
+                      for _ in range(max(points.grid.batch_requests, default=0))]
             for b in points.grid.batch_requests:
-                # b requests' own caches (copies: attention runs per request, on its own cache)
-                own = [GrowingCache([(layer.keys, layer.values) for layer in cache_of(c).layers]) for _ in range(b)]
+                own = copies[:b]
                 for r in points.grid.batch_rows:
                     def batched(own=own, r=r, c=c):
                         forward_many(model, own, [tokens[c:c + r]] * len(own), [r] * len(own))
