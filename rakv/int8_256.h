@@ -2,7 +2,6 @@
  * 8-15 as the other, up to TILE8_256 rows. Included once per path, with
  *   SUFFIX    the functions' name suffix,
  *   TARGET    their target options,
- *   INPUTS    (xu4): four of a row's xu bytes (an int32) as the dot's input operand,
  *   DOT_ADD   (dot, inputs, weights, magnitudes): 4 inputs' products with each lane's 4
  *             weights added into dot's int32 lanes (magnitudes: |weights|),
  *   OFFSET    (colsum): what comes off each lane's sum (8 int32).
@@ -27,7 +26,7 @@ static inline void JOIN(block8_256_rows, SUFFIX)(const int8_t *packed, const int
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, xu + (int64_t)r * k + 4 * j, 4);
-            __m256i inputs = _mm256_set1_epi32(INPUTS(four));
+            __m256i inputs = _mm256_set1_epi32(four);  /* vpbroadcastd from memory */
             for (int h = 0; h < 2; h++) DOT_ADD(dot[r][h], inputs, weights[h], magnitudes[h]);
         }
     }
@@ -55,6 +54,5 @@ static void JOIN(block8_256, SUFFIX)(const int8_t *packed, const int32_t *colsum
 #undef JOIN2
 #undef SUFFIX
 #undef TARGET
-#undef INPUTS
 #undef DOT_ADD
 #undef OFFSET

@@ -11,7 +11,8 @@
  * - AVX2 has no u8 x s8 dot into int32, and vpmaddubsw saturates its int16 pair sums
  *   (255 x 127 x 2 would). As llama.cpp does, each weight's sign moves onto its input
  *   (vpsignb): |wq| x (sign(wq) xq) pairs are at most 2 x 127 x 127 = 32,258, exact in
- *   int16, and vpmaddwd widens them to int32. wq = -128 never occurs (-127..127).
+ *   int16, and vpmaddwd widens them to int32. wq = -128 never occurs (-127..127). This
+ *   path's inputs are xq itself, broadcast straight from memory (no 128 to take off).
  *
  * Packed layout: output channels in blocks of 16 lanes; for block nb and inputs 4j..4j+3,
  * 64 bytes at packed + (nb * k / 4 + j) * 64, byte 4 lane + i = wq[16 nb + lane, 4 j + i]
@@ -141,9 +142,10 @@ AVX2 __m256i quantize8_over(__m256 v, __m256 divisor) {
 }
 
 /* quantize_rows8 with the same bits: 8 inputs at a time for the max, 32 for the rest,
- * the tail as quantize_rows8 does it. */
+ * the tail as quantize_rows8 does it. offset: 128 (xu, as the VNNI paths take them) or
+ * 0 (xq as signed bytes, as the AVX2 path broadcasts them straight from memory). */
 __attribute__((target("avx2,fma,f16c")))
-static void quantize_rows8_avx2(const float *x, int rows, int k, uint8_t *xu, float *x_scale) {
+static void quantize_rows8_avx2(const float *x, int rows, int k, int offset, uint8_t *xu, float *x_scale) {
     for (int r = 0; r < rows; r++) {
         const float *v = x + (int64_t)r * k;
         uint8_t *out = xu + (int64_t)r * k;
@@ -159,9 +161,9 @@ static void quantize_rows8_avx2(const float *x, int rows, int k, uint8_t *xu, fl
                                     quantize8_over(_mm256_loadu_ps(v + i + 8), divisor),
                                     quantize8_over(_mm256_loadu_ps(v + i + 16), divisor),
                                     quantize8_over(_mm256_loadu_ps(v + i + 24), divisor));
-            _mm256_storeu_si256((__m256i *)(out + i), _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)));  /* + 128 */
+            _mm256_storeu_si256((__m256i *)(out + i), _mm256_xor_si256(bytes, _mm256_set1_epi8((char)offset)));
         }
-        for (; i < k; i++) out[i] = (uint8_t)((int)fminf(fmaxf(nearbyintf(v[i] / scale), -QMAX), QMAX) + 128);
+        for (; i < k; i++) out[i] = (uint8_t)((int)fminf(fmaxf(nearbyintf(v[i] / scale), -QMAX), QMAX) + offset);
         x_scale[r] = scale;
     }
 }
@@ -169,7 +171,6 @@ static void quantize_rows8_avx2(const float *x, int rows, int k, uint8_t *xu, fl
 /* AVX2: each weight's sign moved onto the input, |w| x that in int16 pairs, then int32. */
 #define SUFFIX avx2
 #define TARGET "avx2,fma,f16c"
-#define INPUTS(xu4) ((xu4) ^ (int32_t)0x80808080)  /* xu - 128 = xq, as signed bytes */
 #define DOT_ADD(dot, x, w, magnitude) (dot) = _mm256_add_epi32((dot), _mm256_madd_epi16( \
     _mm256_maddubs_epi16((magnitude), _mm256_sign_epi8((x), (w))), _mm256_set1_epi16(1)))
 #define OFFSET(colsum) _mm256_setzero_si256()
@@ -178,7 +179,6 @@ static void quantize_rows8_avx2(const float *x, int rows, int k, uint8_t *xu, fl
 /* 256-bit VNNI in AVX-VNNI's encoding ... */
 #define SUFFIX vex
 #define TARGET "avx2,fma,f16c,avxvnni"
-#define INPUTS(xu4) (xu4)
 #define DOT_ADD(dot, x, w, magnitude) ((void)(magnitude), (dot) = _mm256_dpbusd_avx_epi32((dot), (x), (w)))
 #define OFFSET(colsum) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(colsum)), 7)  /* 128 colsum */
 #include "int8_256.h"
@@ -186,7 +186,6 @@ static void quantize_rows8_avx2(const float *x, int rows, int k, uint8_t *xu, fl
 /* ... and in AVX-512's */
 #define SUFFIX evex
 #define TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-#define INPUTS(xu4) (xu4)
 #define DOT_ADD(dot, x, w, magnitude) ((void)(magnitude), (dot) = _mm256_dpbusd_epi32((dot), (x), (w)))
 #define OFFSET(colsum) _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(colsum)), 7)
 #include "int8_256.h"
@@ -264,7 +263,7 @@ int rakv_int8_linear(const float *x, int rows, int k, const int8_t *packed, cons
     if (path >= PATH_AVX512)
         quantize_rows8_avx512(x, rows, k, xu, x_scale);
     else if (path != PATH_PORTABLE)
-        quantize_rows8_avx2(x, rows, k, xu, x_scale);
+        quantize_rows8_avx2(x, rows, k, path == PATH_AVX2 ? 0 : 128, xu, x_scale);
     else
 #endif
         quantize_rows8(x, rows, k, xu, x_scale);
