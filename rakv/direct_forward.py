@@ -35,6 +35,7 @@ import torch
 
 from rakv import layer_kernel
 from rakv.kernels import kernel_or_none
+from rakv.row_attention import ManyRequests, row_exact_attention
 
 _LAYER_CLASSES = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
 _NORM_CLASSES = {"LlamaRMSNorm", "Qwen2RMSNorm"}
@@ -194,10 +195,13 @@ def _attend(rows: _Rows, attention) -> Callable:
     return attend
 
 
-def _attend_each(parts: list[_Rows], attention) -> Callable:
+def _attend_each(parts: list[_Rows], attention, many: ManyRequests | None) -> Callable:
     """``_attend`` for each request's rows of a batched forward, on views of them: the calls
-    each request's forward alone makes, so its rows never meet another's."""
+    each request's forward alone makes, so its rows never meet another's. ``many``: where
+    those calls would each run the row-exact kernel, all of them in one (``ManyRequests``)."""
     def attend(plan: LayerPlan, query, key, value):
+        if many is not None and many.takes(query, key, value, {**plan.attention_kwargs, **parts[0].extra}):
+            return many.attend(plan.index, query, key, value, plan.attention_kwargs.get("scaling"))
         outs = []
         for rows in parts:
             k, v = rows.cache.update(key[:, :, rows.start:rows.stop], value[:, :, rows.start:rows.stop], plan.index,
@@ -269,10 +273,15 @@ def batched_logits(plan: ModelPlan, model, caches: list, token_ids: list[list[in
         start += length
     position_ids = torch.cat([rows.extra["position_ids"] for rows in parts], dim=1)  # [1, N]
     cos, sin, kernel = _rotary(plan, embeds, position_ids)
-    attend = _attend_each(parts, _attention_function(model, plan))
+    attention = _attention_function(model, plan)
+    many = ManyRequests(plan.library, [(rows.cache, rows.start, rows.stop - rows.start, rows.mask) for rows in parts],
+                        len(plan.layers)) if attention is row_exact_attention else None
+    attend = _attend_each(parts, attention, many)
     hidden = embeds
     for layer in plan.layers:
         hidden = layer_forward(layer, hidden, cos, sin, attend, kernel)
+    if many is not None and many.fused:
+        many.finish()
     # only the rows whose logits are wanted go through the final norm and the head (per-row ops)
     wanted = [i for rows, n in zip(parts, num_logits) for i in range(rows.stop - n, rows.stop)]
     if not wanted:

@@ -46,6 +46,20 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :needed], values[:, :, :needed]
         return self.keys, self.values
 
+    def reserve(self, num_new: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for ``num_new`` positions after the cached ones, for a writer outside torch
+        (``rakv_attention_many``): the key and value buffers [b, h, capacity, d] and the
+        length. The positions it writes become visible with ``extend``."""
+        length = self.get_seq_length()
+        if self.buffers is None or length + num_new > self.buffers[0].shape[-2] or not self._views_of_buffers(length):
+            self._grow(length, length + num_new, self.keys, self.values)
+        return self.buffers[0], self.buffers[1], length
+
+    def extend(self, num_new: int) -> None:
+        """The ``num_new`` positions written after ``reserve`` join the cached ones."""
+        needed = self.get_seq_length() + num_new
+        self.keys, self.values = self.buffers[0][:, :, :needed], self.buffers[1][:, :, :needed]
+
     def _views_of_buffers(self, length: int) -> bool:
         """Whether ``keys``/``values`` still view the buffers (nothing replaced them)."""
         return length == 0 or (self.keys.data_ptr() == self.buffers[0].data_ptr()
@@ -78,3 +92,12 @@ class GrowingCache(DynamicCache):
             layer.update(keys, values)
             grown.append(layer)
         Cache.__init__(self, layers=grown)
+
+    def grown_layers(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> list[GrowingLayer]:
+        """The cache's first ``num_layers`` layers, an empty cache's made (no positions,
+        buffers of [1, num_kv_heads, MIN_CAPACITY, head_dim]) as its first update makes them."""
+        while len(self.layers) < num_layers:
+            empty = torch.empty(1, num_kv_heads, 0, head_dim, dtype=dtype)
+            self.update(empty, empty, len(self.layers))
+        return self.layers[:num_layers]

@@ -87,6 +87,75 @@ def kernel_attention(lib, query, key, value, scale: float | None):
     return out
 
 
+class ManyRequests:
+    """The attention of a batched forward (``direct_forward.batched_logits``): several
+    requests' rows, each against its own ``GrowingCache``, in one kernel call a layer
+    (``rakv_attention_many``) where each request's own forward would run the kernel
+    (``row_exact_attention``'s test, made at the first layer). That call appends each
+    request's new keys and values to its cache and runs, for each, the very
+    ``rakv_attention`` call its forward alone makes: the same bits, without a cache update
+    and an attention call per request and layer from Python. ``finish`` after the last
+    layer makes the appended positions part of the caches.
+
+    ``parts``: (cache, first row, number of rows, mask) per request, in row order."""
+
+    def __init__(self, lib, parts: list, num_layers: int):
+        self.lib, self.parts, self.num_layers = lib, parts, num_layers
+        self.fused: bool | None = None  # decided at the first layer
+        self.layers: list = []  # per request, its cache's layers (GrowingLayer)
+
+    def takes(self, query, key, value, kwargs) -> bool:
+        """Whether the kernel runs every request's attention (asked at each layer; the
+        first answer holds for the forward): what ``row_exact_attention`` asks of each."""
+        if self.fused is None:
+            from rakv.kv_cache import GrowingCache
+            self.fused = (self.lib is not None and _kernel_takes(query, key, value, kwargs)
+                          and all(isinstance(cache, GrowingCache) for cache, *_ in self.parts)
+                          and all(_causal(mask, rows, cache.get_seq_length() + rows)
+                                  for cache, _, rows, mask in self.parts))
+            if self.fused:
+                self._reserve(key)
+        return self.fused
+
+    def _reserve(self, key) -> None:
+        import numpy as np
+        kv_heads, dim = key.shape[1], key.shape[3]
+        self.layers = [cache.grown_layers(self.num_layers, kv_heads, dim, key.dtype) for cache, *_ in self.parts]
+        room = [[layer.reserve(rows) for layer in layers] for layers, (_, _, rows, _) in zip(self.layers, self.parts)]
+        self.first = np.array([first for _, first, _, _ in self.parts], dtype=np.int32)
+        self.rows = np.array([rows for _, _, rows, _ in self.parts], dtype=np.int32)
+        self.length = np.array([own[0][2] for own in room], dtype=np.int32)
+        # [layer, request]: each cache layer's key and value buffers [1, kv_heads, capacity, dim]
+        self.keys = np.array([[own[i][0].data_ptr() for own in room] for i in range(self.num_layers)], np.uint64)
+        self.values = np.array([[own[i][1].data_ptr() for own in room] for i in range(self.num_layers)], np.uint64)
+        self.head_strides = np.array([[own[i][0].stride(1) for own in room] for i in range(self.num_layers)],
+                                     np.int64)
+        self.buffers = room  # kept alive while the kernel writes them
+
+    def attend(self, index: int, query, key, value, scale: float | None):
+        """Layer ``index``: query [1, heads, N, dim], the new key/value [1, kv_heads, N, dim]
+        -> [1, N, heads, dim]."""
+        import torch
+        _, heads, num_rows, dim = query.shape
+        out = torch.empty(1, num_rows, heads, dim)
+        scale = dim ** -0.5 if scale is None else scale
+        num = len(self.parts)
+        if self.lib.rakv_attention_many(
+                query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
+                value.data_ptr(), value.stride(1), value.stride(2), num, self.first.ctypes.data,
+                self.rows.ctypes.data, self.length.ctypes.data, self.keys[index].ctypes.data,
+                self.values[index].ctypes.data, self.head_strides[index].ctypes.data, out.data_ptr(), heads,
+                key.shape[1], dim, scale, torch.get_num_threads(), PATH):
+            raise MemoryError("row-exact attention: no memory for its scores")
+        return out
+
+    def finish(self) -> None:
+        """The positions the layers appended join each cache."""
+        for layers, (_, _, rows, _) in zip(self.layers, self.parts):
+            for layer in layers:
+                layer.extend(rows)
+
+
 def _kernel_takes(query, key, value, kwargs) -> bool:
     """Whether the kernel computes this call: float32 on a CPU, each position's values
     contiguous, grouped heads, none of the optional inputs. None of it depends on T, so a

@@ -101,3 +101,44 @@ def test_logits_to_keep_matches_hf_at_the_edges(tiny_pair, size):
         want = model(input_ids=ids, use_cache=True, logits_to_keep=size, cache=GrowingCache()).logits
         got = direct_forward.logits(direct_forward.plan_of(model), model, GrowingCache(), ids, size)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", [INT8, "int4"])
+def test_a_batched_forward_runs_one_attention_call_a_layer_with_each_requests_own_bits(mode, monkeypatch):
+    """The batched forward's attention (``row_attention.ManyRequests``: each request's cache
+    update and row-exact attention, every request in one kernel call a layer) gives each
+    request its own forward's logits and cache, bit for bit: a new request (an empty
+    cache), one whose rows fill its cache's buffer to the edge and one that outgrows it."""
+    from rakv.kv_cache import MIN_CAPACITY
+    from rakv.models import load_pair
+    from rakv.row_attention import ManyRequests
+    model = load_pair("tiny", dtype="float32", weights_mode=mode).target
+    plan = direct_forward.plan_of(model)
+    vocab = model.config.vocab_size
+    calls = []
+    monkeypatch.setattr(ManyRequests, "attend", lambda self, *args, _attend=ManyRequests.attend:
+                        calls.append(len(self.parts)) or _attend(self, *args))
+    # (cached, new rows) per request: empty, to the buffer's edge, past it, a step
+    shapes = [(0, 7), (MIN_CAPACITY - 3, 3), (MIN_CAPACITY - 2, 5), (20, 1)]
+    ids = [[(11 * r + 5 * i + 1) % vocab for i in range(cached + new)] for r, (cached, new) in enumerate(shapes)]
+    with torch.inference_mode():
+        alone, batched = [], []
+        for seq, (cached, _) in zip(ids, shapes):
+            cache = GrowingCache()
+            if cached:
+                direct_forward.logits(plan, model, cache, torch.tensor([seq[:cached]]), 1)
+            batched.append(cache)
+            alone.append(GrowingCache([(layer.keys, layer.values) for layer in cache.layers]) if cached
+                         else GrowingCache())
+        want = [direct_forward.logits(plan, model, cache, torch.tensor([seq[cached:]]), len(seq) - cached)[0]
+                for cache, seq, (cached, _) in zip(alone, ids, shapes)]
+        calls.clear()
+        got = direct_forward.batched_logits(plan, model, batched, [seq[cached:] for seq, (cached, _) in
+                                                                   zip(ids, shapes)], [new for _, new in shapes])
+    assert calls == [len(shapes)] * model.config.num_hidden_layers  # one call a layer, every request in it
+    for request, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"request {request}: logits differ"
+    for a, b in zip(alone, batched):
+        assert a.get_seq_length() == b.get_seq_length()
+        for x, y in zip(a.layers, b.layers):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
