@@ -12,7 +12,13 @@ What is timed: the pair's own Linear layers, one of each kind (input and output 
 and how the mode runs it), in each candidate mode's forward, over 1 row and over 9 (a
 decode step and a verification of 8 drafted tokens), one call each after a warm-up, the
 median of ``REPEATS``. A mode's cost is each kind's 1-row plus 9-row time times how many
-layers of that kind the pair has. The Linear layers are what differ between the modes; the
+layers of that kind the pair has. Each timed call finds its layer's weights in memory, not
+in cache, as a forward does (it streams every layer once): the calls cycle over copies of
+the layer that together hold twice the last-level cache. Timed hot, one Qwen int8 MLP
+layer fits a 32 MiB L3 and int8's 1-row time came out near int4's, so auto took int8 on a
+Zen 3 where int4 ran ``ar`` 1.45x and ``rakv`` 1.06x faster; a buffer written between
+calls to evict the layer evicted code and page tables too (SmolLM2's small layers took 3x
+their time in a forward). The Linear layers are what differ between the modes; the
 rest of a forward (attention, norms) costs alike. It is not the calibration's timing of
 each mode, which would load and calibrate the pair once per mode (minutes, and the Qwen
 pair's 8 GB in fp32 for each): this takes seconds on the layers already loaded.
@@ -22,6 +28,7 @@ Results are cached per machine, kernel path and checkpoint as JSON under
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -33,6 +40,10 @@ from rakv.weights import FP32, INT4, INT8
 
 REPEATS = 5  # timed calls per layer kind and row count
 ROWS = (1, 9)  # a decode step, a verification of 8 drafted tokens
+LLC_FALLBACK_BYTES = 32 * 2**20  # the last-level cache where the OS does not say
+MAX_COPIES = 64  # copies of a layer cycled over at most
+WEIGHT_BYTES = {FP32: 4.0, INT8: 1.0, INT4: 0.5}  # per weight, near enough to size the copies
+METHOD = 2  # part of the cached results' key: 2, timed from memory (1: hot in cache)
 
 
 def candidates(four_bit: bool, quantized: bool) -> tuple[str, ...]:
@@ -63,7 +74,7 @@ def _cached_costs(models, stored, modes, key) -> dict[str, float]:
     from rakv.model_files import cache_root
     library = kernel_or_none()
     path = path_here() if library is not None else "none"
-    name = hashlib.blake2b(f"{key}|{','.join(modes)}|{path}|{getattr(library, '_name', '')}".encode(),
+    name = hashlib.blake2b(f"{key}|{','.join(modes)}|{path}|{getattr(library, '_name', '')}|{METHOD}".encode(),
                            digest_size=8).hexdigest()
     cached = cache_root() / "weights-choice" / f"{machine_id()}-{name}.json"
     try:
@@ -72,6 +83,8 @@ def _cached_costs(models, stored, modes, key) -> dict[str, float]:
             return costs
     except (OSError, ValueError):
         pass  # not measured yet, or a damaged file: measured again
+    print(f"weights auto: timing the Linear layers in {', '.join(modes)} on this CPU (once; about a minute "
+          f"for a 1.5B pair)", file=sys.stderr, flush=True)
     costs = {mode: mode_cost(models, stored, mode) for mode in modes}
     cached.parent.mkdir(parents=True, exist_ok=True)
     partial = cached.with_suffix(".tmp")
@@ -84,10 +97,31 @@ def mode_cost(models, stored: list[dict], mode: str) -> float:
     """Seconds of one 1-row and one 9-row forward of every Linear layer of ``models`` in
     ``mode``, one layer of each kind timed (``layer_kinds``)."""
     total = 0.0
-    for (in_features, _, _), (make, count) in layer_kinds(models, stored, mode).items():
-        forward = make()
-        total += count * sum(_median_s(forward, rows, in_features) for rows in ROWS)
+    for (in_features, out_features, _), (make, count) in layer_kinds(models, stored, mode).items():
+        copies = [make() for _ in range(_num_copies(in_features * out_features * WEIGHT_BYTES[mode]))]
+        total += count * sum(_median_s(copies, rows, in_features) for rows in ROWS)
     return total
+
+
+
+def _num_copies(layer_bytes: float) -> int:
+    """Copies of a layer that hold twice the last-level cache (at least 2, at most MAX_COPIES)."""
+    return max(2, min(MAX_COPIES, int(2 * _last_level_cache_bytes() / max(layer_bytes, 1.0)) + 1))
+
+
+@functools.cache
+def _last_level_cache_bytes() -> int:
+    """The largest cache the OS reports for CPU 0 (Linux sysfs), else LLC_FALLBACK_BYTES."""
+    from pathlib import Path
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                         else int(text))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return max(sizes, default=LLC_FALLBACK_BYTES)
 
 
 def layer_kinds(models, stored: list[dict], mode: str) -> dict[tuple[int, int, str], tuple[Callable, int]]:
@@ -118,14 +152,19 @@ def _how(mode: str, module, source) -> tuple[str, Callable]:
     return linear_forward(mode, module, source)
 
 
-def _median_s(forward, rows: int, in_features: int) -> float:
+def _median_s(copies: list, rows: int, in_features: int) -> float:
+    """The median time of a call over ``rows`` rows, the calls cycling over ``copies`` (each
+    finds its weights gone from cache, as in a forward), REPEATS passes after a warm-up one."""
     import torch
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
-        forward(x)  # warm-up: caches, the kernel's first call
+        for forward in copies:
+            forward(x)  # warm-up: the kernel's first call, its scratch buffers, the pages
         times = []
         for _ in range(REPEATS):
-            start = time.perf_counter()
-            forward(x)
-            times.append(time.perf_counter() - start)
+            for forward in copies:
+                start = time.perf_counter()
+                forward(x)
+                times.append(time.perf_counter() - start)
     return statistics.median(times)
+
