@@ -1,0 +1,332 @@
+"""Serving under load, replayed: the batching engine's own scheduler (``rakv.scheduler``,
+the same code, not a copy) over a trace's facts. Imports no torch.
+
+``BatchReplay`` stands where ``rakv.batch_engine.BatchEngine`` stands, with the models
+replaced by the trace: admission looks the prompt up in the engine's store model, the
+request's policy decides and makes its round planner (as ``Engine.decide``); each step
+carries out the scheduler's works, a prefill chunk advancing the cached positions, a
+round proposing and accepting what the request's recorded run lengths say
+(``rakv.acceptance``'s ``_RunLengthRounds``, the batch-1 replay's rounds), a plain step
+appending one token; a request that reaches its output's end leaves its entries in the
+store and its counts with its policy, in the engine's order. So every decision, every
+step's composition (which requests, their kinds, rows, contexts, drafters and k) and every
+round are a function of the arrival order and the settings, as in the engine, and a
+closed-loop load (``c=N``: the next request submitted when one finishes, in request order,
+as ``profiler.serve_record`` drives the engine) reproduces the recorded steps exactly.
+
+Times are not modelled here: this is the step sequence a timing model prices.
+
+    python -m simulator.batch_replay --trace traces/smollm2-humaneval-serve
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from profiler.schema import StepRow, TraceError, table_to_rows
+from profiler.trace_io import read_table
+from rakv.acceptance import _RunLengthRounds
+from rakv.cli import run_cli
+from rakv.controller import Policy, RequestOutcome
+from rakv.cost_model import RequestFeatures
+from rakv.drafters import DRAFT_MODEL
+from rakv.policies import resolve_policy
+from rakv.rounds import draft_cache_after
+from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Scheduler, Seq, Work
+from rakv.settings import DecisionInputs
+from simulator.session import SessionError, output_length
+from simulator.trace import RecordedRequest, Trace, load_trace
+
+
+@dataclass(frozen=True)
+class Composition:
+    """One step's works, as the engine's ``StepRecord`` lists them (ids: submission order)."""
+
+    request_ids: tuple[int, ...]
+    kinds: tuple[str, ...]
+    rows: tuple[int, ...]
+    num_cached: tuple[int, ...]
+    drafters: tuple[str, ...]
+    ks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, row: StepRow) -> "Composition":
+        return cls(row.request_ids, row.kinds, row.rows, row.num_cached, row.drafters, row.ks)
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """A step as replayed: its composition; ``row_cuts``, per work, None where its rows are
+    exact, else the count they are exact up to: a draft-model round stopped on confidence
+    past its first wrong token, where the trace knows only that it proposed at least
+    accepted + 2 (``ReplayedRound.proposed_exact``); and the requests it finished."""
+
+    composition: Composition
+    row_cuts: tuple[int | None, ...]
+    finished: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request in the replay beside its scheduler ``Seq`` (``_Request``'s account)."""
+
+    seq: Seq
+    recorded: RecordedRequest
+    num_output: int  # its greedy output's length under its cap: where it ends
+    action: object = None
+    planner: object = None
+    match: object = None
+    draft_match: object = None
+    reused: int = 0
+    draft_reused: int | None = None  # None: it did not ready the draft model
+    moves: _RunLengthRounds | None = None  # set at its first token
+    draft_seen: int = 0
+    rounds: list = field(default_factory=list)
+    pending: tuple | None = None  # a round proposed this step: (round, probs), carried to ``_advance``
+
+
+class BatchReplay:
+    """The batching engine over a trace's facts: ``submit`` requests, ``step`` until
+    ``has_work`` is False. One policy for every request, one store, one scheduler."""
+
+    def __init__(self, policy: Policy, inputs: DecisionInputs, batch: BatchConfig, target_namespace: str,
+                 draft_namespace: str | None):
+        from rakv.store_model import StoreModel
+        self.policy, self.inputs = policy, inputs
+        self.target_namespace, self.draft_namespace = target_namespace, draft_namespace
+        self.store = StoreModel(inputs.engine.store)
+        self.scheduler = Scheduler(batch, self._admit, self._preempted, lambda: self.store.total_bytes,
+                                   self.store.index.evict_lru)
+        self._live: dict[int, _Live] = {}
+        self._target_bytes = inputs.target_sizes.kv_bytes_per_token
+        self._draft_bytes = inputs.draft_sizes.kv_bytes_per_token if inputs.draft_sizes is not None else 0
+        self.num_submitted = 0
+
+    def submit(self, recorded: RecordedRequest, max_new_tokens: int) -> int:
+        """Queue a recorded request (as ``BatchEngine.submit``); its id, in submission order."""
+        if max_new_tokens > recorded.max_new_tokens:
+            raise SessionError(f"request {recorded.request_id} was recorded up to {recorded.max_new_tokens} new "
+                               f"tokens; a replay cannot ask for {max_new_tokens}")
+        n = len(recorded.prompt_ids)
+        max_new = min(max_new_tokens, self.inputs.max_positions - n)
+        request_id = self.num_submitted
+        self.num_submitted += 1
+        seq = Seq(request_id, n, max_new, self._target_bytes, num_tokens=n, prefill_end=n)
+        self._live[request_id] = _Live(seq, recorded, output_length(recorded, max_new))
+        self.scheduler.add(seq)
+        return request_id
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> ReplayedStep:
+        """One step: the scheduler's works carried out (the finished requests in the order
+        the engine finishes them)."""
+        works = self.scheduler.schedule()
+        rows = tuple(self._rows(w) for w in works)
+        composition = Composition(tuple(w.seq.request_id for w in works), tuple(w.kind for w in works), rows,
+                                  tuple(w.seq.num_computed for w in works), tuple(w.drafter or "" for w in works),
+                                  tuple(w.k for w in works))
+        cuts = tuple(self._row_cut(w) for w in works)
+        for work in works:
+            self._advance(work)
+        finished = []
+        for seq in list(self.scheduler.running):
+            live = self._live[seq.request_id]
+            if live.moves is not None and seq.t >= live.moves.end:
+                self._finish(live)
+                finished.append(seq.request_id)
+        return ReplayedStep(composition, cuts, tuple(finished))
+
+    def _row_cut(self, work: Work) -> int | None:
+        if work.kind != VERIFY:
+            return None
+        rnd = self._live[work.seq.request_id].pending[0]
+        return None if rnd.proposed_exact else rnd.accepted + 3  # the target's token and accepted + 2 proposed
+
+    # -- a work --------------------------------------------------------------------
+    def _rows(self, work: Work) -> int:
+        """The rows the work feeds the target: a chunk, one token, or the last token and
+        the proposal (a prompt-lookup proposal may be shorter than k)."""
+        if work.kind != VERIFY:
+            return work.rows
+        live = self._live[work.seq.request_id]
+        proposed = live.moves.propose(work.seq.t, work.drafter, work.k, live.moves.stop_below(work.drafter),
+                                      live.draft_seen)
+        live.pending = proposed  # the engine proposes every round before the step's forward
+        return proposed[0].num_proposed + 1
+
+    def _advance(self, work: Work) -> None:
+        live = self._live[work.seq.request_id]
+        seq, t = live.seq, live.seq.t
+        if work.kind == PREFILL:
+            seq.num_computed += work.rows
+            if seq.num_computed == seq.prefill_end and t == 0:
+                self._first_token(live)
+            return
+        if work.kind == VERIFY:
+            rnd, probs = live.pending
+            _, appended = live.moves.finish_move(t, work.drafter, work.k, rnd, probs)
+            live.rounds.append(rnd)
+            if work.drafter == DRAFT_MODEL:
+                live.draft_seen = draft_cache_after(seq.num_prompt, t, rnd.num_proposed, appended)
+        else:
+            assert work.kind == DECODE
+            _, appended = live.moves.finish_move(t, work.drafter, 0)
+        seq.num_tokens += appended
+        seq.num_computed = seq.num_tokens - 1
+
+    # -- admission, first token, finish (``BatchEngine``'s, over the store model) ------
+    def _admit(self, seq: Seq) -> None:
+        live = self._live[seq.request_id]
+        prompt = live.recorded.token_ids[:seq.num_prompt]
+        live.match = self.store.match(self.target_namespace, prompt)
+        live.draft_match = self.store.match(self.draft_namespace, prompt)
+        features = RequestFeatures.of(live.match, live.draft_match, seq.max_new_tokens, prompt)
+        live.action = self.policy.decide(features)
+        live.planner = self.policy.planner(features, live.action)
+        draft_ready = DRAFT_MODEL in live.planner.drafters
+        if draft_ready and self.inputs.draft_sizes is None:
+            raise SessionError(f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
+        reuse, draft_reused = self.store.start(live.match, live.draft_match if draft_ready else None,
+                                               live.action.r)
+        live.reused, live.draft_reused = reuse.reused_tokens, draft_reused if draft_ready else None
+        live.draft_seen = live.draft_reused or 0
+        seq.bytes_per_position = self._target_bytes + (self._draft_bytes if live.draft_reused is not None else 0)
+        seq.num_computed = live.reused
+        if live.reused == seq.num_prompt:  # an exact repeat: the stored logits, no prefill
+            self._first_token(live)
+
+    def _first_token(self, live: _Live) -> None:
+        live.seq.num_tokens += 1
+        recorded = live.recorded
+        live.moves = _RunLengthRounds(live.planner, recorded.lengths, live.num_output, live.seq.max_new_tokens,
+                                      recorded.token_ids)
+        live.seq.moves = live.moves
+
+    def _preempted(self, seq: Seq) -> None:
+        """Nothing to drop: a replay holds no caches (the draft's account, ``draft_seen``,
+        is the walk's, as the engine's store sees it at the finish)."""
+
+    def _finish(self, live: _Live) -> None:
+        seq = live.seq
+        n, tokens = seq.num_prompt, live.recorded.token_ids[:seq.num_tokens]
+        kept, kept_draft = self.store.kept_lengths(n, len(tokens), live.draft_reused, live.rounds)
+        if kept:
+            self.store.commit(self.store.plan_insert(self.target_namespace, tokens[:kept],
+                                                     self.store.kept_logits(n, len(tokens), kept),
+                                                     self.inputs.target_sizes))
+        if kept_draft:
+            self.store.commit(self.store.plan_insert(self.draft_namespace, tokens[:kept_draft], (),
+                                                     self.inputs.draft_sizes))
+        self.policy.observe(RequestOutcome(live.action, live.planner.counts()))
+        self.scheduler.finish(seq)
+        del self._live[seq.request_id]
+
+
+def replay_closed_loop(replay: BatchReplay, requests: list[RecordedRequest], max_new_tokens: int,
+                       concurrency: int) -> list[ReplayedStep]:
+    """``requests`` at a fixed concurrency, as ``profiler.serve_record.serve_load`` drives
+    the engine: before each step, requests are submitted in order while fewer than
+    ``concurrency`` are in flight. The steps' compositions, in order."""
+    pending = deque(requests)
+    in_flight = 0
+    steps = []
+    while pending or replay.has_work():
+        while pending and in_flight < concurrency:
+            replay.submit(pending.popleft(), max_new_tokens)
+            in_flight += 1
+        step = replay.step()
+        steps.append(step)
+        in_flight -= len(step.finished)
+    return steps
+
+
+def recorded_steps(trace: Trace) -> dict[tuple[str, str], list[StepRow]]:
+    """A serving trace's steps by (load, policy), in step order; a one-line TraceError
+    where the trace holds none (not recorded under load)."""
+    try:
+        rows = table_to_rows("steps", read_table(trace.path, "steps"))
+    except TraceError:
+        rows = []
+    if not rows:
+        raise TraceError(f"{trace.path}: no steps table: record it under load (profiler.record --serve-concurrency)")
+    by_load: dict[tuple[str, str], list[StepRow]] = {}
+    for row in sorted(rows, key=lambda r: (r.load, r.policy, r.step)):
+        by_load.setdefault((row.load, row.policy), []).append(row)
+    return by_load
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    load: str
+    policy: str
+    num_recorded: int
+    num_replayed: int
+    num_equal: int  # steps whose composition the replay reproduced, counted until the first difference
+    first_difference: str | None  # None: every step reproduced
+
+
+def check_trace(trace: Trace) -> list[StepCheck]:
+    """Every closed-loop load of a serving trace replayed under its policy and recorded
+    settings, each step's composition against the recorded one (rows compared up to each
+    replayed work's ``row_cuts``)."""
+    steps = recorded_steps(trace)
+    inputs = trace.require_inputs()
+    config = trace.meta.config
+    batch = BatchConfig(int(config["max_num_seqs"]), int(config["max_num_batched_tokens"]))
+    max_new = int(config["max_new_tokens"])
+    requests = list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))])
+    checks = []
+    for (load, policy_name), rows in steps.items():
+        if not load.startswith("c="):
+            continue  # an open-loop load's arrivals met the steps in wall time: not a function of the facts
+        policy = resolve_policy(policy_name, inputs.timings, inputs.controller, trace.target_namespace,
+                                trace.draft_namespace, trace.meta.models.get("pair"))
+        replay = BatchReplay(policy, inputs, batch, trace.target_namespace, trace.draft_namespace)
+        replayed = replay_closed_loop(replay, requests, max_new, int(load[2:]))
+        checks.append(_compare(load, policy_name, rows, replayed))
+    return checks
+
+
+def _compare(load: str, policy: str, rows: list[StepRow], replayed: list[ReplayedStep]) -> StepCheck:
+    for i, (row, step) in enumerate(zip(rows, replayed)):
+        got, want = step.composition, Composition.of(row)
+        if len(want.rows) == len(step.row_cuts):  # the rows the trace determines, on both sides
+            cut = [(g, w) if c is None else (min(g, c), min(w, c)) for g, w, c in zip(got.rows, want.rows,
+                                                                                    step.row_cuts)]
+            got, want = replace(got, rows=tuple(g for g, _ in cut)), replace(want, rows=tuple(w for _, w in cut))
+        if got != want:
+            return StepCheck(load, policy, len(rows), len(replayed), i, f"step {i}: replayed {got}, recorded {want}")
+    difference = None if len(rows) == len(replayed) else f"{len(replayed)} steps replayed, {len(rows)} recorded"
+    return StepCheck(load, policy, len(rows), len(replayed), min(len(rows), len(replayed)), difference)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulator.batch_replay",
+        description="Replay a serving trace's closed-loop loads through the engine's own scheduler and "
+                    "compare every step's composition (requests, kinds, rows, contexts, drafters, k) with "
+                    "the recorded one. Exit status 1 where a step differs.")
+    parser.add_argument("--trace", required=True,
+                        help="a serving trace directory (recorded with profiler.record --serve-concurrency)")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    failed = 0
+    for check in check_trace(load_trace(args.trace)):
+        verdict = "every step reproduced" if check.first_difference is None else check.first_difference
+        failed += check.first_difference is not None
+        print(f"{check.load:>6} {check.policy:>6}: {check.num_equal}/{check.num_recorded} steps equal; {verdict}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(run, parse_args(argv), (ValueError, TraceError, SessionError, OSError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
