@@ -14,21 +14,17 @@ round are a function of the arrival order and the settings, as in the engine, an
 closed-loop load (``c=N``: the next request submitted when one finishes, in request order,
 as ``profiler.serve_record`` drives the engine) reproduces the recorded steps exactly.
 
-Times are not modelled here: this is the step sequence a timing model prices.
-
-    python -m simulator.batch_replay --trace traces/smollm2-humaneval-serve
+Times are not modelled here: this is the step sequence ``simulator.step_costs`` prices
+(``python -m simulator.serve_validate`` checks both against a serving trace).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from collections import deque
 from dataclasses import dataclass, field, replace
 
 from profiler.schema import StepRow, TraceError, table_to_rows
 from profiler.trace_io import read_table
 from rakv.acceptance import _RunLengthRounds
-from rakv.cli import run_cli
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import RequestFeatures
 from rakv.drafters import DRAFT_MODEL
@@ -37,7 +33,7 @@ from rakv.rounds import draft_cache_after
 from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Scheduler, Seq, Work
 from rakv.settings import DecisionInputs
 from simulator.session import SessionError, output_length
-from simulator.trace import RecordedRequest, Trace, load_trace
+from simulator.trace import RecordedRequest, Trace
 
 
 @dataclass(frozen=True)
@@ -302,31 +298,3 @@ def _compare(load: str, policy: str, rows: list[StepRow], replayed: list[Replaye
             return StepCheck(load, policy, len(rows), len(replayed), i, f"step {i}: replayed {got}, recorded {want}")
     difference = None if len(rows) == len(replayed) else f"{len(replayed)} steps replayed, {len(rows)} recorded"
     return StepCheck(load, policy, len(rows), len(replayed), min(len(rows), len(replayed)), difference)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m simulator.batch_replay",
-        description="Replay a serving trace's closed-loop loads through the engine's own scheduler and "
-                    "compare every step's composition (requests, kinds, rows, contexts, drafters, k) with "
-                    "the recorded one. Exit status 1 where a step differs.")
-    parser.add_argument("--trace", required=True,
-                        help="a serving trace directory (recorded with profiler.record --serve-concurrency)")
-    return parser.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> int:
-    failed = 0
-    for check in check_trace(load_trace(args.trace)):
-        verdict = "every step reproduced" if check.first_difference is None else check.first_difference
-        failed += check.first_difference is not None
-        print(f"{check.load:>6} {check.policy:>6}: {check.num_equal}/{check.num_recorded} steps equal; {verdict}")
-    return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(run, parse_args(argv), (ValueError, TraceError, SessionError, OSError))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

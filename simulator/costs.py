@@ -82,7 +82,7 @@ class Surface:
         return y
 
 
-def _curve(points: dict[float, list[float]]) -> Curve:
+def curve_of(points: dict[float, list[float]]) -> Curve:
     xs = sorted(points)
     return Curve(tuple(xs), tuple(median(points[x]) for x in xs))
 
@@ -93,7 +93,7 @@ def _surface(points: dict[tuple[float, float], list[float]]) -> Surface:
     for (x, z), values in points.items():
         by_z[z][x] = values
     zs = sorted(by_z)
-    return Surface(tuple(zs), tuple(_curve(by_z[z]) for z in zs))
+    return Surface(tuple(zs), tuple(curve_of(by_z[z]) for z in zs))
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
     missing = [op for op, found in points.items() if not found]
     if missing:
         raise CostModelError(f"the ops table holds no {', '.join(missing)} timings of the {role} model")
-    return ModelCosts(_surface(points["prefill"]), _curve(points["decode"]), _surface(points["verify"]))
+    return ModelCosts(_surface(points["prefill"]), curve_of(points["decode"]), _surface(points["verify"]))
 
 
 def _store_curve(rows: list[OpRow], model: str, op: str, by_bytes: bool) -> Curve:
@@ -192,7 +192,7 @@ def _store_curve(rows: list[OpRow], model: str, op: str, by_bytes: bool) -> Curv
                 r.seconds)
     if not points:
         raise CostModelError(f"the ops table holds no {model} {op} timings")
-    curve = _curve(points)
+    curve = curve_of(points)
     if len(curve.xs) == 1:  # one size measured: proportional to it
         curve = Curve((0.0,) + curve.xs, (0.0,) + curve.ys)
     return curve
@@ -224,7 +224,7 @@ def _at_usual_speed(rows: list[OpRow], usual_probe_s: float | None) -> list[OpRo
     for r in rows:
         if r.model in ("target", DRAFT_MODEL) and _one_row(r):
             one_row_points[r.model][r.num_cached_tokens].append(at_usual_speed(r.seconds, r.probe_s, usual_probe_s))
-    one_row = {model: _curve(points) for model, points in one_row_points.items()}
+    one_row = {model: curve_of(points) for model, points in one_row_points.items()}
 
     def streamed(r: OpRow) -> float | None:
         several = r.model in one_row and r.op in ("prefill", "verify") and not _one_row(r)
@@ -333,7 +333,7 @@ def fit_overhead(samples: Sequence[OverheadSample]) -> Overhead:
     import numpy as np
     if not samples:
         return Overhead()
-    ttft_s = _least_relative_error(np.ones((len(samples), 1)),
+    ttft_s = least_relative_error(np.ones((len(samples), 1)),
                                    np.array([s.measured_ttft_s - s.cost.ops_ttft_s for s in samples]),
                                    np.array([s.measured_ttft_s for s in samples]))[0]
     columns = [[1.0] * len(samples), [s.cost.num_iterations for s in samples], [s.num_rounds for s in samples],
@@ -341,13 +341,13 @@ def fit_overhead(samples: Sequence[OverheadSample]) -> Overhead:
     design = np.array(columns, dtype=float).T  # [runs, 4]
     used = [j for j in range(4) if j == 0 or np.ptp(design[:, j]) > 0]
     residual = np.array([s.measured_e2e_s - s.cost.ops_e2e_s - ttft_s for s in samples])
-    coef = dict(zip(used, _least_relative_error(design[:, used], residual,
+    coef = dict(zip(used, least_relative_error(design[:, used], residual,
                                                 np.array([s.measured_e2e_s for s in samples]))))
     return Overhead(ttft_s=float(ttft_s), request_s=coef.get(0, 0.0), iteration_s=coef.get(1, 0.0),
                     round_s=coef.get(2, 0.0), adaptive_iteration_s=coef.get(3, 0.0))
 
 
-def _least_relative_error(design, target, scale, iterations: int = 50) -> list[float]:
+def least_relative_error(design, target, scale, iterations: int = 50) -> list[float]:
     """x >= 0 minimising sum |target - design @ x| / scale, by iteratively reweighted
     non-negative least squares."""
     import numpy as np

@@ -1,7 +1,8 @@
 """simulator.batch_replay: the engine's own scheduler over a serving trace's facts gives the
 steps the batching engine ran, step for step, on a fresh recording (the tiny pair, under
 several policies, a row budget that clips rounds and chunks prefills) and on the shipped
-serving traces; a step that differs is named; bad input is one line."""
+serving traces; a step that differs is named. simulator.step_costs prices a step from the
+op grid; simulator.serve_validate reports both; bad input is one line."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from profiler.record import main as record
-from simulator import batch_replay
+from rakv.op_timing import OpRow
+from simulator import batch_replay, serve_validate
+from simulator.step_costs import fit_forward, fit_step_costs
 from simulator.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -63,13 +66,33 @@ def test_a_step_that_differs_is_named(recorded):
     assert check.first_difference == f"{len(rows)} steps replayed, {len(rows) + 1} recorded"
 
 
+def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
+    """On a grid whose times are rows, requests and positions exactly, a mixed step is priced exactly."""
+    def seconds(b, r, c):
+        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
+           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
+    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    forward = fit_forward(ops, "target")
+    assert forward.per_request == pytest.approx(0.002) and forward.per_position == pytest.approx(1e-6)
+    works = [(1, 100), (5, 300), (2, 40)]
+    assert forward.seconds(works) == pytest.approx(0.1 + 0.01 * 8 + 0.002 * 2 + 1e-6 * (100 + 1500 + 80))
+    costs = fit_step_costs(ops, [], [])
+    assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
+
+
+def test_the_validation_reports_every_closed_loop_load(recorded, capsys):
+    rows = serve_validate.validate_serving(recorded)
+    assert len(rows) == 3 * len(POLICIES.split(","))
+    for row in rows:
+        assert row.first_difference is None and row.num_equal == row.num_steps
+        assert row.in_sample.step_mape is not None and row.out_of_sample.step_mape is not None
+    assert serve_validate.main(["--trace", str(TRACES / SERVING_TRACES[0])]) == 0
+    out = capsys.readouterr().out
+    assert "| c=8 | rakv |" in out and "steps reproduced" in out
+
+
 def test_a_trace_without_steps_is_a_one_line_error(capsys):
-    assert batch_replay.main(["--trace", str(TRACES / "smollm2-chat")]) == 2
+    assert serve_validate.main(["--trace", str(TRACES / "smollm2-chat")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no steps table" in err and len(err.strip().splitlines()) == 1
-
-
-def test_the_command_line_reports_each_load(capsys):
-    assert batch_replay.main(["--trace", str(TRACES / SERVING_TRACES[0])]) == 0
-    out = capsys.readouterr().out
-    assert "c=8" in out and "every step reproduced" in out

@@ -1,0 +1,157 @@
+"""What a batched step costs: a model of the batching engine's step from a serving trace's
+op grid, its overheads fitted on recorded steps. Imports no torch.
+
+A step (``simulator.batch_replay.Composition``) runs the draft model's proposals for the
+rounds that draft with it, then one target forward over every work's rows. A forward's
+Linear layers stream the weights once whatever the rows, then cost per row once the rows
+outgrow the stream, and its attention costs per row and cached token. So a forward over
+works of r_i rows after c_i cached positions costs
+
+    rows(R) + per_request * (b - 1) + per_position * sum_i r_i c_i,    R = sum_i r_i,
+
+over b works: ``rows`` a curve over the total rows through the op grid's one-request
+points at its smallest context (``1 x r`` batched points and prefills of n tokens on an
+empty cache), ``per_request`` the median, over the batched points of b > 1 requests, of
+what each further request adds to ``rows`` of their total (its attention, rotary and cache
+calls), ``per_position`` the median of what the grid's largest context adds per row and
+cached position. The draft model's proposals are its own forwards, priced alike by the
+draft's points: the j-th over one row of each request whose proposal is longer than j
+(a round's proposal is its verification's rows less one). What the points do not see
+(Python per step and per work) is ``StepOverhead``, a + b per work, fitted on recorded
+steps by least relative error, never negative.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from statistics import median
+from typing import Sequence
+
+from rakv.drafters import DRAFT_MODEL
+from rakv.op_timing import OpRow
+from rakv.scheduler import VERIFY
+from simulator.costs import CostModelError, Curve, least_relative_error
+
+
+@dataclass(frozen=True)
+class ForwardCosts:
+    """One model's batched forward: ``rows`` over the total rows, plus ``per_position``
+    seconds per row and cached position."""
+
+    rows: Curve
+    per_request: float
+    per_position: float
+
+    def seconds(self, works: Sequence[tuple[int, int]]) -> float:
+        """A forward over works of (rows, cached positions)."""
+        total = sum(r for r, _ in works)
+        if not total:
+            return 0.0
+        return (self.rows(total) + self.per_request * (len(works) - 1)
+                + self.per_position * sum(r * c for r, c in works))
+
+
+def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
+    """``model``'s ForwardCosts from a trace's ops (the serving grid's ``batch`` points and
+    the prefills); a one-line CostModelError where the trace has no batched points."""
+    batched: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    prefills: dict[int, list[float]] = defaultdict(list)
+    for row in ops:
+        if row.model != model:
+            continue
+        if row.op == "batch":
+            batched[row.num_requests, row.num_new_tokens, row.num_cached_tokens].append(row.seconds)
+        elif row.op == "prefill" and row.num_cached_tokens == 0:
+            prefills[row.num_new_tokens].append(row.seconds)
+    contexts = sorted({c for _, _, c in batched})
+    if not contexts:
+        raise CostModelError(f"the trace has no batched forwards of the {model} (record it with --grid serving)")
+    low, high = contexts[0], contexts[-1]
+    added = [(median(batched[b, r, high]) - median(batched[b, r, low])) / (b * r * (high - low))
+             for (b, r, c) in batched if c == low and (b, r, high) in batched] if high > low else []
+    per_position = max(median(added), 0.0) if added else 0.0
+    points: dict[float, list[float]] = defaultdict(list)
+    for (b, r, c), seconds in batched.items():
+        if c == low and b == 1:
+            points[r].extend(s - per_position * r * c for s in seconds)
+    for n, seconds in prefills.items():
+        points[n].extend(seconds)
+    xs = sorted(points)
+    ys, top = [], 0.0
+    for x in xs:  # more rows never cost less: the grid's noise (3 repeats) is taken out
+        top = max(top, median(points[x]))
+        ys.append(top)
+    rows = Curve(tuple(float(x) for x in xs), tuple(ys))
+    added = [(median(seconds) - per_position * b * r * low - rows(b * r)) / (b - 1)
+             for (b, r, c), seconds in batched.items() if c == low and b > 1]
+    return ForwardCosts(rows, max(median(added), 0.0) if added else 0.0, per_position)
+
+
+@dataclass(frozen=True)
+class StepOverhead:
+    per_step_s: float
+    per_work_s: float
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    target: ForwardCosts
+    draft: ForwardCosts | None
+    overhead: StepOverhead = StepOverhead(0.0, 0.0)
+
+    def forward_s(self, composition) -> float:
+        return self.target.seconds(list(zip(composition.rows, composition.num_cached)))
+
+    def propose_s(self, composition) -> float:
+        """The draft model's forwards for the step's draft-model rounds (none: 0)."""
+        rounds = [(rows - 1, c) for kind, d, rows, c in zip(composition.kinds, composition.drafters, composition.rows,
+                                                             composition.num_cached)
+                  if kind == VERIFY and d == DRAFT_MODEL]
+        if not rounds or self.draft is None:
+            return 0.0
+        return sum(self.draft.seconds([(1, c + j) for proposed, c in rounds if proposed > j])
+                   for j in range(max(p for p, _ in rounds)))
+
+    def seconds(self, composition) -> float:
+        return (self.forward_s(composition) + self.propose_s(composition) + self.overhead.per_step_s
+                + self.overhead.per_work_s * len(composition.rows))
+
+
+def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float]) -> StepCosts:
+    """The op grid's forwards, and the overheads that bring them to the recorded
+    ``seconds`` of ``compositions`` (each step's whole time)."""
+    import numpy as np
+    draft = fit_forward(ops, DRAFT_MODEL) if any(r.model == DRAFT_MODEL and r.op == "batch" for r in ops) else None
+    costs = StepCosts(fit_forward(ops, "target"), draft)
+    if not compositions:
+        return costs
+    modelled = np.array([costs.seconds(c) for c in compositions])
+    target = np.array(seconds, dtype=float)
+    design = np.array([[1.0, len(c.rows)] for c in compositions])
+    fixed, per_work = least_relative_error(design, target - modelled, target)
+    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work))
+
+
+@dataclass(frozen=True)
+class StepErrors:
+    """Mean absolute percentage errors over steps: the whole step, its target forward and
+    its proposals (the steps with draft-model rounds), and the load's total time."""
+
+    num_steps: int
+    step_mape: float
+    forward_mape: float
+    propose_mape: float | None  # None: no step drafted with the draft model
+    total_error: float  # (modelled - recorded) / recorded, all steps' seconds summed
+
+
+def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence) -> StepErrors:
+    """``costs`` against recorded steps (``profiler.schema.StepRow``) of the same compositions."""
+    def mape(pairs):
+        pairs = [(m, r) for m, r in pairs if r > 0]
+        return 100.0 * sum(abs(m - r) / r for m, r in pairs) / len(pairs) if pairs else None
+    modelled = [costs.seconds(c) for c in compositions]
+    drafting = [(costs.propose_s(c), r.propose_s) for c, r in zip(compositions, rows)
+                if any(kind == VERIFY and d == DRAFT_MODEL for kind, d in zip(c.kinds, c.drafters))]
+    return StepErrors(len(rows), mape(zip(modelled, (r.seconds for r in rows))),
+                      mape((costs.forward_s(c), r.forward_s) for c, r in zip(compositions, rows)),
+                      mape(drafting), 100.0 * (sum(modelled) / sum(r.seconds for r in rows) - 1.0))
