@@ -32,7 +32,7 @@ from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore, measure_sizes
 from rakv.models import ModelPair
 from rakv.rounds import draft_cache_after, draft_cache_positions
-from rakv.scheduler import PREFILL, VERIFY, BatchConfig, Scheduler, Seq, Work
+from rakv.scheduler import PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
 from rakv.settings import EngineConfig
 
 
@@ -48,20 +48,12 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
-class StepRecord:
-    """What the last step ran, in the works' order: each request, its kind, the rows it fed
-    the target (a prompt-lookup proposal may be shorter than its k), its target cache's
-    positions before the step, its round's drafter ("" where none) and k; and the step's
-    seconds: proposals (the draft model's batched forwards and prompt lookups), the
-    target's forward, and all of the works' (those two, the rounds' bookkeeping and
-    finishes; not the scheduling before, whose admissions look the store up and decide)."""
+class StepRecord(Composition):
+    """What the last step ran (its ``Composition``), and its seconds: proposals (the draft
+    model's batched forwards and prompt lookups), the target's forward, and all of the
+    works' (those two, the rounds' bookkeeping and finishes; not the scheduling before,
+    whose admissions look the store up and decide)."""
 
-    request_ids: tuple[int, ...]
-    kinds: tuple[str, ...]
-    rows: tuple[int, ...]
-    num_cached: tuple[int, ...]
-    drafters: tuple[str, ...]
-    ks: tuple[int, ...]
     propose_s: float
     forward_s: float
     seconds: float

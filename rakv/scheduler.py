@@ -82,6 +82,27 @@ class Work:
     k: int = 0
 
 
+@dataclass(frozen=True)
+class Composition:
+    """What a step ran, in its works' order: each request (its id), its kind, the rows it
+    fed the target (a prompt-lookup proposal may be shorter than its k), its target
+    cache's positions before the step, its round's drafter ("" where none) and k. The
+    engine's account of a step (``rakv.batch_engine.StepRecord``) and the replay's
+    (``simulator.batch_replay``) alike."""
+
+    request_ids: tuple[int, ...]
+    kinds: tuple[str, ...]
+    rows: tuple[int, ...]
+    num_cached: tuple[int, ...]
+    drafters: tuple[str, ...]
+    ks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, step) -> "Composition":
+        """The composition of anything that lists these fields (a recorded ``StepRow``)."""
+        return cls(step.request_ids, step.kinds, step.rows, step.num_cached, step.drafters, step.ks)
+
+
 @dataclass
 class Scheduler:
     """FCFS continuous batching under a row budget, a seat cap and a memory budget.

@@ -30,26 +30,10 @@ from rakv.cost_model import RequestFeatures
 from rakv.drafters import DRAFT_MODEL
 from rakv.policies import resolve_policy
 from rakv.rounds import draft_cache_after
-from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Scheduler, Seq, Work
+from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
 from rakv.settings import DecisionInputs
 from simulator.session import SessionError, output_length
 from simulator.trace import RecordedRequest, Trace
-
-
-@dataclass(frozen=True)
-class Composition:
-    """One step's works, as the engine's ``StepRecord`` lists them (ids: submission order)."""
-
-    request_ids: tuple[int, ...]
-    kinds: tuple[str, ...]
-    rows: tuple[int, ...]
-    num_cached: tuple[int, ...]
-    drafters: tuple[str, ...]
-    ks: tuple[int, ...]
-
-    @classmethod
-    def of(cls, row: StepRow) -> "Composition":
-        return cls(row.request_ids, row.kinds, row.rows, row.num_cached, row.drafters, row.ks)
 
 
 @dataclass(frozen=True)

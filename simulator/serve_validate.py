@@ -26,7 +26,8 @@ from pathlib import Path
 
 from profiler.schema import TraceError
 from rakv.cli import run_cli
-from simulator.batch_replay import Composition, check_trace, recorded_steps
+from rakv.scheduler import Composition
+from simulator.batch_replay import check_trace, recorded_steps
 from simulator.costs import CostModelError
 from simulator.session import SessionError
 from simulator.step_costs import StepErrors, fit_step_costs, step_errors
