@@ -56,6 +56,9 @@ class OpGrid:
     batch_requests: tuple[int, ...] = ()
     batch_rows: tuple[int, ...] = (1,)
     batch_context: tuple[int, ...] = (128,)
+    # and one request's prefill chunk of this many rows after each batch context, through
+    # the same batched forward (its last row's logits only): what a step's chunk costs
+    batch_chunk_rows: tuple[int, ...] = ()
     warmup: int = 1
     repeats: int = 3
 
@@ -79,11 +82,13 @@ RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 6
                         ngram_history=(256, 2048), warmup=2, repeats=5)
 # A serving recording's grid: a few points of each batch-1 op, and the batched forwards of
 # 1-8 requests (a decode row, a verification of k = 1 and of k = 4) at a short and a long
-# context, for a step's cost over its rows and its requests' contexts (SERVING.md).
+# context, for a step's cost over its rows and its requests' contexts (SERVING.md), and
+# one request's chunks of 16-256 rows: the batch-1 prefill points, another code path,
+# priced SmolLM2's batched steps 20-40 % high.
 SERVING_GRID = OpGrid(prefill_new=(1, 4, 16, 64, 128), prefill_cached=(0, 256), decode_context=(16, 256, 1024),
                       verify_k=(1, 2, 4, 8), verify_context=(128,), store_tokens=(128, 1024),
                       ngram_history=(256,), batch_requests=(1, 2, 4, 8), batch_rows=(1, 2, 5),
-                      batch_context=(128, 512), warmup=1, repeats=3)
+                      batch_context=(128, 512), batch_chunk_rows=(16, 64, 128, 256), warmup=1, repeats=3)
 
 
 # A calibration leaves out a point guessed to take longer than this (a prefill of many
@@ -208,7 +213,7 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
                 continue
             # the requests' own caches, copies of one context (attention runs per request, on its own)
             copies = [GrowingCache([(layer.keys, layer.values) for layer in cache_of(c).layers])
-                      for _ in range(max(points.grid.batch_requests, default=0))]
+                      for _ in range(max(*points.grid.batch_requests, int(bool(points.grid.batch_chunk_rows)), 0))]
             for b in points.grid.batch_requests:
                 own = copies[:b]
                 for r in points.grid.batch_rows:
@@ -217,6 +222,13 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
                         for cache in own:
                             crop_to(cache, c)
                     yield from points(batched, **_row(role, "batch", r, c, num_requests=b))
+            for r in points.grid.batch_chunk_rows:
+                if c + r >= max_positions or r in points.grid.batch_rows:
+                    continue
+                def chunk(own=copies[:1], r=r, c=c):
+                    forward_many(model, own, [tokens[c:c + r]], [1])
+                    crop_to(own[0], c)
+                yield from points(chunk, **_row(role, "batch", r, c, num_requests=1))
 
 
 def measure_store(model, points: PointTimer, max_positions: int, caches: dict) -> Iterator[OpRow]:

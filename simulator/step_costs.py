@@ -10,8 +10,8 @@ works of r_i rows after c_i cached positions costs
     rows(R) + per_request * (b - 1) + per_position * sum_i r_i c_i,    R = sum_i r_i,
 
 over b works: ``rows`` a curve over the total rows through the op grid's one-request
-points at its smallest context (``1 x r`` batched points and prefills of n tokens on an
-empty cache), ``per_request`` the median, over the batched points of b > 1 requests, of
+points at its smallest context (``1 x r`` batched points, and prefills of n tokens on an
+empty cache where no batched point has n rows), ``per_request`` the median, over the batched points of b > 1 requests, of
 what each further request adds to ``rows`` of their total (its attention, rotary and cache
 calls), ``per_position`` the median of what the grid's largest context adds per row and
 cached position. The draft model's proposals are its own forwards, priced alike by the
@@ -75,7 +75,8 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
         if c == low and b == 1:
             points[r].extend(s - per_position * r * c for s in seconds)
     for n, seconds in prefills.items():
-        points[n].extend(seconds)
+        if n not in points:  # a forward after a context is what a step runs: the batched point where both are
+            points[n].extend(seconds)
     xs = sorted(points)
     ys, top = [], 0.0
     for x in xs:  # more rows never cost less: the grid's noise (3 repeats) is taken out

@@ -78,8 +78,11 @@ def test_the_serving_grid_times_batched_forwards(trace):
     batched = [r for r in rows(trace, "ops") if r.op == "batch"]
     shapes = {(r.model, r.num_requests, r.num_new_tokens, r.num_cached_tokens) for r in batched}
     max_positions = read_meta(trace).config[META_DECISION_INPUTS]["max_positions"]  # the tiny pair's: 256
-    assert shapes == {(m, b, r, c) for m in ("target", "draft") for b in (1, 2, 4, 8) for r in (1, 2, 5)
-                      for c in (128, 512) if c + 5 < max_positions}
+    steps = {(m, b, r, c) for m in ("target", "draft") for b in (1, 2, 4, 8) for r in (1, 2, 5)
+             for c in (128, 512) if c + 5 < max_positions}
+    chunks = {(m, 1, r, c) for m in ("target", "draft") for r in (16, 64, 128, 256) for c in (128, 512)
+              if c + r < max_positions}  # one request's prefill chunk through the same batched forward
+    assert shapes == steps | chunks and (("target", 1, 64, 128) in chunks) == (192 < max_positions)
     assert all(r.seconds > 0 for r in batched)
 
 
