@@ -9,10 +9,13 @@ kernels run the portable loop fp32's oneDNN layers win. A float checkpoint stays
 (quantizing it would be another, lossier model than the one given).
 
 What is timed: the pair's own Linear layers, one of each kind (input and output width,
-and how the mode runs it), in each candidate mode's forward, over 1 row and over 9 (a
-decode step and a verification of 8 drafted tokens), one call each after a warm-up, the
-median of ``REPEATS``. A mode's cost is each kind's 1-row plus 9-row time times how many
-layers of that kind the pair has. Each timed call finds its layer's weights in memory, not
+and how the mode runs it), in each candidate mode's forward, over 1 row and over 5 (a
+decode step, which every policy takes, the draft's included, and a verification of 4
+drafted tokens, about the k ``rakv`` plans), one call each after a warm-up, the median of
+``REPEATS``. A mode's cost is each kind's 1-row plus 5-row time times how many layers of
+that kind the pair has. A 9-row forward in place of the 5-row one weighed verification
+too much: on a Zen 3 (AVX2) it made Qwen's int4 and int8 a coin toss (406 against 405 ms)
+where int4 ran ``ar`` 1.45x and ``rakv`` 1.06x faster. Each timed call finds its layer's weights in memory, not
 in cache, as a forward does (it streams every layer once): the calls cycle over copies of
 the layer that together hold twice the last-level cache. Timed hot, one Qwen int8 MLP
 layer fits a 32 MiB L3 and int8's 1-row time came out near int4's, so auto took int8 on a
@@ -39,11 +42,11 @@ from typing import Callable
 from rakv.weights import FP32, INT4, INT8
 
 REPEATS = 5  # timed calls per layer kind and row count
-ROWS = (1, 9)  # a decode step, a verification of 8 drafted tokens
+ROWS = (1, 5)  # a decode step, a verification of 4 drafted tokens
 LLC_FALLBACK_BYTES = 32 * 2**20  # the last-level cache where the OS does not say
 MAX_COPIES = 64  # copies of a layer cycled over at most
 WEIGHT_BYTES = {FP32: 4.0, INT8: 1.0, INT4: 0.5}  # per weight, near enough to size the copies
-METHOD = 2  # part of the cached results' key: 2, timed from memory (1: hot in cache)
+METHOD = 2  # part of the cached results' key (with ROWS): 2, timed from memory (1: hot in cache)
 
 
 def candidates(four_bit: bool, quantized: bool) -> tuple[str, ...]:
@@ -63,7 +66,7 @@ def fastest_mode(models, stored: list[dict], modes: tuple[str, ...], key: str) -
     costs = _cached_costs(models, stored, modes, key)
     best = min(modes, key=costs.get)
     figures = ", ".join(f"{mode} {1e3 * costs[mode]:.1f} ms" for mode in sorted(modes, key=costs.get))
-    print(f"weights auto: {best} (Linear layers of a step and a 9-token forward on this CPU: {figures})",
+    print(f"weights auto: {best} (Linear layers of a step and a {ROWS[-1]}-token forward on this CPU: {figures})",
           file=sys.stderr)
     return best
 
@@ -74,7 +77,8 @@ def _cached_costs(models, stored, modes, key) -> dict[str, float]:
     from rakv.model_files import cache_root
     library = kernel_or_none()
     path = path_here() if library is not None else "none"
-    name = hashlib.blake2b(f"{key}|{','.join(modes)}|{path}|{getattr(library, '_name', '')}|{METHOD}".encode(),
+    method = f"{METHOD}|{ROWS}"
+    name = hashlib.blake2b(f"{key}|{','.join(modes)}|{path}|{getattr(library, '_name', '')}|{method}".encode(),
                            digest_size=8).hexdigest()
     cached = cache_root() / "weights-choice" / f"{machine_id()}-{name}.json"
     try:

@@ -71,8 +71,8 @@ def _pct(value: float | None) -> str:
 def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
     lines = [f"{trace.path.name}: closed-loop loads replayed through the engine's scheduler; step times priced "
              f"from the op grid, overheads fitted in sample (every load) and out of sample (the other loads)",
-             "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % | total time error % "
-             "| out of sample: step MAPE % | total time error % |",
+             "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % "
+             "| total time error % | out of sample: step MAPE % | total time error % |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         i, o = row.in_sample, row.out_of_sample

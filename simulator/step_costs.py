@@ -11,9 +11,9 @@ works of r_i rows after c_i cached positions costs
 
 over b works: ``rows`` a curve over the total rows through the op grid's one-request
 points at its smallest context (``1 x r`` batched points, and prefills of n tokens on an
-empty cache where no batched point has n rows), ``per_request`` the median, over the batched points of b > 1 requests, of
-what each further request adds to ``rows`` of their total (its attention, rotary and cache
-calls), ``per_position`` the median of what the grid's largest context adds per row and
+empty cache where no batched point has n rows), ``per_request`` the median, over the
+batched points of b > 1 requests, of what each further request adds to ``rows`` of their
+total (its attention, rotary and cache calls), ``per_position`` the median of what the grid's largest context adds per row and
 cached position. The draft model's proposals are its own forwards, priced alike by the
 draft's points: the j-th over one row of each request whose proposal is longer than j
 (a round's proposal is its verification's rows less one). What the points do not see

@@ -132,7 +132,7 @@ def test_auto_takes_the_fastest_mode_measured_here_once(monkeypatch, tmp_path, c
     chosen = choose_weights("auto", [stored], [model], key="tiny")
     costs = {mode: real_cost([model], [stored], mode) for mode in (INT4, INT8, FP32)}
     assert sorted(measured) == sorted((INT4, INT8, FP32)) and chosen in costs
-    assert f"weights auto: {chosen} (Linear layers of a step and a 9-token forward" in capsys.readouterr().err
+    assert f"weights auto: {chosen} (Linear layers of a step and a 5-token forward" in capsys.readouterr().err
     assert choose_weights("auto", [stored], [model], key="tiny") == chosen and len(measured) == 3  # cached
     assert choose_weights("auto", [{}], [model], key="tiny") == FP32 and len(measured) == 3  # a float checkpoint
 
