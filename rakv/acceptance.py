@@ -52,11 +52,13 @@ def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
     if not planner.drafters:
         return []  # plain steps only, and nothing to observe
     # the draft cache's positions, which a replay does not need, are counted from the prompt's end
-    return walk(_RunLengthRounds(planner, lengths, num_output, max_new_tokens, tokens), 0)
+    return walk(RunLengthRounds(planner, lengths, num_output, max_new_tokens, tokens), 0)
 
 
-class _RunLengthRounds(PlannedRounds):
-    """A planner's rounds over a trace's run lengths (the target's plain steps need nothing)."""
+class RunLengthRounds(PlannedRounds):
+    """A planner's rounds over a trace's run lengths (the target's plain steps need nothing):
+    walked whole at batch 1 (``replay_request``), or move by move under the batching
+    scheduler (``simulator.batch_replay``)."""
 
     def __init__(self, planner, lengths: Mapping[str, RunLengths], num_output: int, max_new_tokens: int,
                  tokens: Sequence[int]):

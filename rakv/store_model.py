@@ -246,10 +246,21 @@ class StoreModel:
         output; each side is (namespace, its match, its sizes); ``draft`` is None unless
         the request readied the draft model."""
         reuse, draft_reused = self.start(target[1], None if draft is None else draft[1], r)
-        kept, kept_draft = self.kept_lengths(num_prompt, len(seq), None if draft is None else draft_reused, rounds)
+        kept, kept_draft = self.keep(seq, num_prompt, (target[0], target[2]),
+                                     None if draft is None else (draft[0], draft[2]),
+                                     None if draft is None else draft_reused, rounds)
+        return StoreOutcome(reuse, draft_reused, kept, kept_draft)
+
+    def keep(self, seq: Sequence[int], num_prompt: int, target: tuple[str, ModelSizes],
+             draft: tuple[str, ModelSizes] | None, draft_reused: int | None, rounds: Sequence) -> tuple[int, int]:
+        """What a finished request leaves, inserted as the engine inserts it (``Engine._store``,
+        without tensors): its target's kept positions and logits, then its draft's; each side
+        (namespace, sizes), ``draft`` and ``draft_reused`` None where it did not ready the
+        draft model. Returns the (target, draft) positions kept."""
+        kept, kept_draft = self.kept_lengths(num_prompt, len(seq), draft_reused, rounds)
         if kept:
             logits = self.kept_logits(num_prompt, len(seq), kept)
-            self.commit(self.plan_insert(target[0], seq[:kept], logits, target[2]))
+            self.commit(self.plan_insert(target[0], seq[:kept], logits, target[1]))
         if kept_draft:
-            self.commit(self.plan_insert(draft[0], seq[:kept_draft], (), draft[2]))
-        return StoreOutcome(reuse, draft_reused, kept, kept_draft)
+            self.commit(self.plan_insert(draft[0], seq[:kept_draft], (), draft[1]))
+        return kept, kept_draft

@@ -6,7 +6,7 @@ replaced by the trace: admission looks the prompt up in the engine's store model
 request's policy decides and makes its round planner (as ``Engine.decide``); each step
 carries out the scheduler's works, a prefill chunk advancing the cached positions, a
 round proposing and accepting what the request's recorded run lengths say
-(``rakv.acceptance``'s ``_RunLengthRounds``, the batch-1 replay's rounds), a plain step
+(``rakv.acceptance``'s ``RunLengthRounds``, the batch-1 replay's rounds), a plain step
 appending one token; a request that reaches its output's end leaves its entries in the
 store and its counts with its policy, in the engine's order. So every decision, every
 step's composition (which requests, their kinds, rows, contexts, drafters and k) and every
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from profiler.schema import StepRow, TraceError, table_to_rows
 from profiler.trace_io import read_table
-from rakv.acceptance import _RunLengthRounds
+from rakv.acceptance import RunLengthRounds
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import RequestFeatures
 from rakv.drafters import DRAFT_MODEL
@@ -57,11 +57,9 @@ class _Live:
     num_output: int  # its greedy output's length under its cap: where it ends
     action: object = None
     planner: object = None
-    match: object = None
-    draft_match: object = None
     reused: int = 0
     draft_reused: int | None = None  # None: it did not ready the draft model
-    moves: _RunLengthRounds | None = None  # set at its first token
+    moves: RunLengthRounds | None = None  # set at its first token
     draft_seen: int = 0
     rounds: list = field(default_factory=list)
     pending: tuple | None = None  # a round proposed this step: (round, probs), carried to ``_advance``
@@ -105,10 +103,12 @@ class BatchReplay:
         """One step: the scheduler's works carried out (the finished requests in the order
         the engine finishes them)."""
         works = self.scheduler.schedule()
-        rows = tuple(self._rows(w) for w in works)
-        composition = Composition(tuple(w.seq.request_id for w in works), tuple(w.kind for w in works), rows,
-                                  tuple(w.seq.num_computed for w in works), tuple(w.drafter or "" for w in works),
-                                  tuple(w.k for w in works))
+        for work in works:  # the engine proposes every round before the step's forward
+            if work.kind == VERIFY:
+                self._propose(work)
+        composition = Composition(tuple(w.seq.request_id for w in works), tuple(w.kind for w in works),
+                                  tuple(self._rows(w) for w in works), tuple(w.seq.num_computed for w in works),
+                                  tuple(w.drafter or "" for w in works), tuple(w.k for w in works))
         cuts = tuple(self._row_cut(w) for w in works)
         for work in works:
             self._advance(work)
@@ -127,16 +127,18 @@ class BatchReplay:
         return None if rnd.proposed_exact else rnd.accepted + 3  # the target's token and accepted + 2 proposed
 
     # -- a work --------------------------------------------------------------------
+    def _propose(self, work: Work) -> None:
+        """A round's proposal and what the target accepts of it, from the run lengths."""
+        live = self._live[work.seq.request_id]
+        live.pending = live.moves.propose(work.seq.t, work.drafter, work.k, live.moves.stop_below(work.drafter),
+                                          live.draft_seen)
+
     def _rows(self, work: Work) -> int:
         """The rows the work feeds the target: a chunk, one token, or the last token and
         the proposal (a prompt-lookup proposal may be shorter than k)."""
         if work.kind != VERIFY:
             return work.rows
-        live = self._live[work.seq.request_id]
-        proposed = live.moves.propose(work.seq.t, work.drafter, work.k, live.moves.stop_below(work.drafter),
-                                      live.draft_seen)
-        live.pending = proposed  # the engine proposes every round before the step's forward
-        return proposed[0].num_proposed + 1
+        return self._live[work.seq.request_id].pending[0].num_proposed + 1
 
     def _advance(self, work: Work) -> None:
         live = self._live[work.seq.request_id]
@@ -162,16 +164,15 @@ class BatchReplay:
     def _admit(self, seq: Seq) -> None:
         live = self._live[seq.request_id]
         prompt = live.recorded.token_ids[:seq.num_prompt]
-        live.match = self.store.match(self.target_namespace, prompt)
-        live.draft_match = self.store.match(self.draft_namespace, prompt)
-        features = RequestFeatures.of(live.match, live.draft_match, seq.max_new_tokens, prompt)
+        match = self.store.match(self.target_namespace, prompt)
+        draft_match = self.store.match(self.draft_namespace, prompt)
+        features = RequestFeatures.of(match, draft_match, seq.max_new_tokens, prompt)
         live.action = self.policy.decide(features)
         live.planner = self.policy.planner(features, live.action)
         draft_ready = DRAFT_MODEL in live.planner.drafters
         if draft_ready and self.inputs.draft_sizes is None:
             raise SessionError(f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
-        reuse, draft_reused = self.store.start(live.match, live.draft_match if draft_ready else None,
-                                               live.action.r)
+        reuse, draft_reused = self.store.start(match, draft_match if draft_ready else None, live.action.r)
         live.reused, live.draft_reused = reuse.reused_tokens, draft_reused if draft_ready else None
         live.draft_seen = live.draft_reused or 0
         seq.bytes_per_position = self._target_bytes + (self._draft_bytes if live.draft_reused is not None else 0)
@@ -182,7 +183,7 @@ class BatchReplay:
     def _first_token(self, live: _Live) -> None:
         live.seq.num_tokens += 1
         recorded = live.recorded
-        live.moves = _RunLengthRounds(live.planner, recorded.lengths, live.num_output, live.seq.max_new_tokens,
+        live.moves = RunLengthRounds(live.planner, recorded.lengths, live.num_output, live.seq.max_new_tokens,
                                       recorded.token_ids)
         live.seq.moves = live.moves
 
@@ -192,15 +193,9 @@ class BatchReplay:
 
     def _finish(self, live: _Live) -> None:
         seq = live.seq
-        n, tokens = seq.num_prompt, live.recorded.token_ids[:seq.num_tokens]
-        kept, kept_draft = self.store.kept_lengths(n, len(tokens), live.draft_reused, live.rounds)
-        if kept:
-            self.store.commit(self.store.plan_insert(self.target_namespace, tokens[:kept],
-                                                     self.store.kept_logits(n, len(tokens), kept),
-                                                     self.inputs.target_sizes))
-        if kept_draft:
-            self.store.commit(self.store.plan_insert(self.draft_namespace, tokens[:kept_draft], (),
-                                                     self.inputs.draft_sizes))
+        draft = (self.draft_namespace, self.inputs.draft_sizes) if live.draft_reused is not None else None
+        self.store.keep(live.recorded.token_ids[:seq.num_tokens], seq.num_prompt,
+                        (self.target_namespace, self.inputs.target_sizes), draft, live.draft_reused, live.rounds)
         self.policy.observe(RequestOutcome(live.action, live.planner.counts()))
         self.scheduler.finish(seq)
         del self._live[seq.request_id]
