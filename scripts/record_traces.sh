@@ -36,6 +36,7 @@ TRACES=(
   "smollm2-humaneval-serve|--pair smollm2 --workload humaneval --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
   "smollm2-chat-serve|--pair smollm2 --workload chat --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
   "qwen-coder-humaneval-serve|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8"
+  "qwen-coder-chat-serve|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8"
 )
 
 if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
