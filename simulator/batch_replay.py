@@ -14,26 +14,23 @@ round are a function of the arrival order and the settings, as in the engine, an
 closed-loop load (``c=N``: the next request submitted when one finishes, in request order,
 as ``profiler.serve_record`` drives the engine) reproduces the recorded steps exactly.
 
-Times are not modelled here: this is the step sequence ``simulator.step_costs`` prices
-(``python -m simulator.serve_validate`` checks both against a serving trace).
+Times are not modelled here: ``simulator.serve_sim`` drives a replay under a load and
+prices its steps (``simulator.step_costs``), ``python -m simulator.serve_validate``
+checks both against a serving trace.
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from profiler.schema import StepRow, TraceError, table_to_rows
-from profiler.trace_io import read_table
 from rakv.acceptance import RunLengthRounds
 from rakv.controller import Policy, RequestOutcome
 from rakv.cost_model import RequestFeatures
 from rakv.drafters import DRAFT_MODEL
-from rakv.policies import resolve_policy
 from rakv.rounds import draft_cache_after
 from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
 from rakv.settings import DecisionInputs
 from simulator.session import SessionError, output_length
-from simulator.trace import RecordedRequest, Trace
+from simulator.trace import RecordedRequest
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,13 @@ class ReplayedStep:
     """A step as replayed: its composition; ``row_cuts``, per work, None where its rows are
     exact, else the count they are exact up to: a draft-model round stopped on confidence
     past its first wrong token, where the trace knows only that it proposed at least
-    accepted + 2 (``ReplayedRound.proposed_exact``); and the requests it finished."""
+    accepted + 2 (``ReplayedRound.proposed_exact``); the requests that got their first
+    token in it, and those it finished (with their output tokens)."""
 
     composition: Composition
     row_cuts: tuple[int | None, ...]
-    finished: tuple[int, ...]
+    first_tokens: tuple[int, ...]
+    finished: tuple[tuple[int, int], ...]  # (request id, output tokens)
 
 
 @dataclass(eq=False)
@@ -78,6 +77,7 @@ class BatchReplay:
         self.scheduler = Scheduler(batch, self._admit, self._preempted, lambda: self.store.total_bytes,
                                    self.store.index.evict_lru)
         self._live: dict[int, _Live] = {}
+        self._first_tokens: list[int] = []  # this step's, admissions' exact repeats included
         self._target_bytes = inputs.target_sizes.kv_bytes_per_token
         self._draft_bytes = inputs.draft_sizes.kv_bytes_per_token if inputs.draft_sizes is not None else 0
         self.num_submitted = 0
@@ -102,6 +102,7 @@ class BatchReplay:
     def step(self) -> ReplayedStep:
         """One step: the scheduler's works carried out (the finished requests in the order
         the engine finishes them)."""
+        self._first_tokens = []
         works = self.scheduler.schedule()
         for work in works:  # the engine proposes every round before the step's forward
             if work.kind == VERIFY:
@@ -117,8 +118,8 @@ class BatchReplay:
             live = self._live[seq.request_id]
             if live.moves is not None and seq.t >= live.moves.end:
                 self._finish(live)
-                finished.append(seq.request_id)
-        return ReplayedStep(composition, cuts, tuple(finished))
+                finished.append((seq.request_id, seq.t))
+        return ReplayedStep(composition, cuts, tuple(self._first_tokens), tuple(finished))
 
     def _row_cut(self, work: Work) -> int | None:
         if work.kind != VERIFY:
@@ -181,6 +182,7 @@ class BatchReplay:
             self._first_token(live)
 
     def _first_token(self, live: _Live) -> None:
+        self._first_tokens.append(live.seq.request_id)
         live.seq.num_tokens += 1
         recorded = live.recorded
         live.moves = RunLengthRounds(live.planner, recorded.lengths, live.num_output, live.seq.max_new_tokens,
@@ -199,81 +201,3 @@ class BatchReplay:
         self.policy.observe(RequestOutcome(live.action, live.planner.counts()))
         self.scheduler.finish(seq)
         del self._live[seq.request_id]
-
-
-def replay_closed_loop(replay: BatchReplay, requests: list[RecordedRequest], max_new_tokens: int,
-                       concurrency: int) -> list[ReplayedStep]:
-    """``requests`` at a fixed concurrency, as ``profiler.serve_record.serve_load`` drives
-    the engine: before each step, requests are submitted in order while fewer than
-    ``concurrency`` are in flight. The steps' compositions, in order."""
-    pending = deque(requests)
-    in_flight = 0
-    steps = []
-    while pending or replay.has_work():
-        while pending and in_flight < concurrency:
-            replay.submit(pending.popleft(), max_new_tokens)
-            in_flight += 1
-        step = replay.step()
-        steps.append(step)
-        in_flight -= len(step.finished)
-    return steps
-
-
-def recorded_steps(trace: Trace) -> dict[tuple[str, str], list[StepRow]]:
-    """A serving trace's steps by (load, policy), in step order; a one-line TraceError
-    where the trace holds none (not recorded under load)."""
-    try:
-        rows = table_to_rows("steps", read_table(trace.path, "steps"))
-    except TraceError:
-        rows = []
-    if not rows:
-        raise TraceError(f"{trace.path}: no steps table: record it under load (profiler.record --serve-concurrency)")
-    by_load: dict[tuple[str, str], list[StepRow]] = {}
-    for row in sorted(rows, key=lambda r: (r.load, r.policy, r.step)):
-        by_load.setdefault((row.load, row.policy), []).append(row)
-    return by_load
-
-
-@dataclass(frozen=True)
-class StepCheck:
-    load: str
-    policy: str
-    num_recorded: int
-    num_replayed: int
-    num_equal: int  # steps whose composition the replay reproduced, counted until the first difference
-    first_difference: str | None  # None: every step reproduced
-
-
-def check_trace(trace: Trace) -> list[StepCheck]:
-    """Every closed-loop load of a serving trace replayed under its policy and recorded
-    settings, each step's composition against the recorded one (rows compared up to each
-    replayed work's ``row_cuts``)."""
-    steps = recorded_steps(trace)
-    inputs = trace.require_inputs()
-    config = trace.meta.config
-    batch = BatchConfig(int(config["max_num_seqs"]), int(config["max_num_batched_tokens"]))
-    max_new = int(config["max_new_tokens"])
-    requests = list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))])
-    checks = []
-    for (load, policy_name), rows in steps.items():
-        if not load.startswith("c="):
-            continue  # an open-loop load's arrivals met the steps in wall time: not a function of the facts
-        policy = resolve_policy(policy_name, inputs.timings, inputs.controller, trace.target_namespace,
-                                trace.draft_namespace, trace.meta.models.get("pair"))
-        replay = BatchReplay(policy, inputs, batch, trace.target_namespace, trace.draft_namespace)
-        replayed = replay_closed_loop(replay, requests, max_new, int(load[2:]))
-        checks.append(_compare(load, policy_name, rows, replayed))
-    return checks
-
-
-def _compare(load: str, policy: str, rows: list[StepRow], replayed: list[ReplayedStep]) -> StepCheck:
-    for i, (row, step) in enumerate(zip(rows, replayed)):
-        got, want = step.composition, Composition.of(row)
-        if len(want.rows) == len(step.row_cuts):  # the rows the trace determines, on both sides
-            cut = [(g, w) if c is None else (min(g, c), min(w, c)) for g, w, c in zip(got.rows, want.rows,
-                                                                                    step.row_cuts)]
-            got, want = replace(got, rows=tuple(g for g, _ in cut)), replace(want, rows=tuple(w for _, w in cut))
-        if got != want:
-            return StepCheck(load, policy, len(rows), len(replayed), i, f"step {i}: replayed {got}, recorded {want}")
-    difference = None if len(rows) == len(replayed) else f"{len(replayed)} steps replayed, {len(rows)} recorded"
-    return StepCheck(load, policy, len(rows), len(replayed), min(len(rows), len(replayed)), difference)

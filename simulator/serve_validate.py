@@ -1,18 +1,22 @@
 """``python -m simulator.serve_validate``: the batched replay against a serving trace.
 
-For every closed-loop load (``c=N``) and policy the trace recorded:
-- the steps: the engine's own scheduler over the trace's facts
-  (``simulator.batch_replay``) must reproduce every recorded step's composition, which
-  requests ran, their kinds, rows, contexts, drafters and k;
-- their times: each recorded step priced by ``simulator.step_costs`` (the op grid's
-  forwards, the overheads fitted on recorded steps), against its measured seconds: the mean
-  absolute percentage error per step, of its target forward and of its proposals, and the
-  error of the load's whole time. In sample, the overheads are fitted on every closed-loop
-  load's steps; out of sample, on the other loads' only (leave one load out): a load the
-  fit never saw.
-
-An open-loop load (``rate=R``) met its arrivals in wall time, so its steps are not a
-function of the facts; it is left out. Imports no torch.
+For every load (``c=N`` closed loop, ``rate=R`` open loop) and policy the trace recorded:
+- the steps (closed loops): the engine's own scheduler over the trace's facts
+  (``simulator.batch_replay``, driven as the recorder drove the engine:
+  ``simulator.serve_sim``) must reproduce every recorded step's composition, which
+  requests ran, their kinds, rows, contexts, drafters and k. An open loop met its arrivals
+  in wall time, so its steps are not a function of the facts;
+- their times (closed loops, with the recorded compositions): each step priced by
+  ``simulator.step_costs`` (the op grid's forwards, overheads fitted on recorded steps)
+  against its measured seconds: the mean absolute percentage error per step, of its target
+  forward and of its proposals, and the error of the load's whole time;
+- the load free-running: the replay on its modelled clock, at the recorded concurrency or
+  the recorded Poisson arrivals, against the served requests' measured p50 and p90 time to
+  first token, inter-token latency (a request's mean after its first token) and end to end,
+  and output tokens per second.
+The overheads are fitted on the closed loops' steps: "in sample" on all of them, "out of
+sample" on the other loads' only (leave one load out; an open loop is always out of
+sample). Imports no torch.
 
     python -m simulator.serve_validate --trace traces/smollm2-humaneval-serve
 """
@@ -21,67 +25,171 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from profiler.schema import TraceError
+from profiler.arrivals import arrivals_s
+from profiler.schema import StepRow, TraceError, table_to_rows
+from profiler.trace_io import read_table
 from rakv.cli import run_cli
-from rakv.scheduler import Composition
-from simulator.batch_replay import check_trace, recorded_steps
+from rakv.policies import resolve_policy
+from rakv.scheduler import BatchConfig, Composition
+from simulator.batch_replay import BatchReplay, ReplayedStep
 from simulator.costs import CostModelError
+from simulator.serve_sim import LoadSummary, run_load, summarize
 from simulator.session import SessionError
-from simulator.step_costs import StepErrors, fit_step_costs, step_errors
+from simulator.step_costs import StepCosts, StepErrors, fit_step_costs, step_errors
 from simulator.trace import Trace, load_trace
+
+
+def recorded_table(trace: Trace, table: str) -> dict[tuple[str, str], list]:
+    """A serving table's rows (``steps`` in step order, ``served`` in finish order) by
+    (load, policy); a one-line TraceError where the trace was not recorded under load."""
+    try:
+        rows = table_to_rows(table, read_table(trace.path, table))
+    except TraceError:
+        rows = []
+    if not rows:
+        raise TraceError(f"{trace.path}: no {table} table: record it under load (profiler.record "
+                         f"--serve-concurrency)")
+    order = (lambda r: r.step) if table == "steps" else (lambda r: r.finish_s)
+    by_load: dict[tuple[str, str], list] = {}
+    for row in sorted(rows, key=lambda r: (r.load, r.policy, order(r))):
+        by_load.setdefault((row.load, row.policy), []).append(row)
+    return by_load
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    num_recorded: int
+    num_replayed: int
+    num_equal: int  # steps whose composition the replay reproduced, counted until the first difference
+    first_difference: str | None  # None: every step reproduced
+
+
+def compare_steps(rows: list[StepRow], replayed: list[ReplayedStep]) -> StepCheck:
+    """Recorded steps against replayed ones, rows compared up to each replayed work's
+    ``row_cuts``."""
+    for i, (row, step) in enumerate(zip(rows, replayed)):
+        got, want = step.composition, Composition.of(row)
+        if len(want.rows) == len(step.row_cuts):  # the rows the trace determines, on both sides
+            cut = [(g, w) if c is None else (min(g, c), min(w, c)) for g, w, c in zip(got.rows, want.rows,
+                                                                                    step.row_cuts)]
+            got, want = replace(got, rows=tuple(g for g, _ in cut)), replace(want, rows=tuple(w for _, w in cut))
+        if got != want:
+            return StepCheck(len(rows), len(replayed), i, f"step {i}: replayed {got}, recorded {want}")
+    difference = None if len(rows) == len(replayed) else f"{len(replayed)} steps replayed, {len(rows)} recorded"
+    return StepCheck(len(rows), len(replayed), min(len(rows), len(replayed)), difference)
 
 
 @dataclass(frozen=True)
 class LoadFidelity:
     load: str
     policy: str
-    num_steps: int
-    num_equal: int  # steps whose composition the replay reproduced (until the first difference)
-    first_difference: str | None
-    in_sample: StepErrors
-    out_of_sample: StepErrors  # overheads fitted on the trace's other loads
+    steps: StepCheck | None  # None: an open loop
+    step_errors: StepErrors | None  # in sample; None: an open loop
+    recorded: LoadSummary  # the served requests as measured
+    simulated: LoadSummary  # free-running, overheads in sample
+    simulated_out: LoadSummary  # free-running, overheads fitted on the other loads
+
+
+class ServingReplay:
+    """A serving trace's loads, replayed as it recorded them: its requests, token cap,
+    batching limits, settings and arrival seed."""
+
+    def __init__(self, trace: Trace):
+        self.trace = trace
+        self.inputs = trace.require_inputs()
+        config = trace.meta.config
+        self.batch = BatchConfig(int(config["max_num_seqs"]), int(config["max_num_batched_tokens"]))
+        self.max_new = int(config["max_new_tokens"])
+        self.requests = list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))])
+        self.seed = int(config.get("seed") or 0)
+
+    def fresh(self, policy_name: str) -> BatchReplay:
+        """An empty replay under the named policy and the trace's recorded settings."""
+        trace, inputs = self.trace, self.inputs
+        policy = resolve_policy(policy_name, inputs.timings, inputs.controller, trace.target_namespace,
+                                trace.draft_namespace, trace.meta.models.get("pair"))
+        return BatchReplay(policy, inputs, self.batch, trace.target_namespace, trace.draft_namespace)
+
+    def replay(self, load: str, policy_name: str, costs: StepCosts | None):
+        """The recorded ``load`` (``c=N`` or ``rate=R``, the recording's arrivals) under the policy."""
+        replay = self.fresh(policy_name)
+        kind, value = load.split("=")
+        if kind == "c":
+            return run_load(replay, self.requests, self.max_new, costs, concurrency=int(value))
+        arrivals = arrivals_s(len(self.requests), float(value), self.seed)
+        return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals)
 
 
 def validate_serving(trace: Trace) -> list[LoadFidelity]:
-    checks = {(c.load, c.policy): c for c in check_trace(trace)}
-    steps = {key: rows for key, rows in recorded_steps(trace).items() if key in checks}
+    steps = recorded_table(trace, "steps")
+    served = recorded_table(trace, "served")
+    loads = ServingReplay(trace)
+    closed = [key for key in steps if key[0].startswith("c=")]
     compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
 
     def fitted(keys):
         return fit_step_costs(trace.ops, [c for key in keys for c in compositions[key]],
                               [row.seconds for key in keys for row in steps[key]])
 
-    everything = fitted(list(steps))
-    loads = sorted({load for load, _ in steps})
-    others = {load: fitted([key for key in steps if key[0] != load]) for load in loads}
-    return [LoadFidelity(load, policy, len(rows), checks[load, policy].num_equal,
-                         checks[load, policy].first_difference,
-                         step_errors(everything, compositions[load, policy], rows),
-                         step_errors(others[load] if len(loads) > 1 else everything, compositions[load, policy], rows))
-            for (load, policy), rows in steps.items()]
+    everything = fitted(closed)
+    load_names = sorted({load for load, _ in closed})
+    leave_out = {load: fitted([key for key in closed if key[0] != load]) if len(load_names) > 1 else everything
+                 for load in load_names}
+    results = []
+    for (load, policy), rows in steps.items():
+        recorded = summarize([(r.arrival_s, r.first_token_s, r.finish_s, len(r.output_ids))
+                              for r in served[load, policy]])
+        run = loads.replay(load, policy, everything)
+        run_out = loads.replay(load, policy, leave_out.get(load, everything))
+        check = compare_steps(rows, run.steps) if (load, policy) in closed else None
+        errors = step_errors(everything, compositions[load, policy], rows) if check is not None else None
+        results.append(LoadFidelity(load, policy, check, errors, recorded, _summary(run), _summary(run_out)))
+    return results
+
+
+def _summary(run) -> LoadSummary:
+    return summarize([(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in run.requests])
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _error(got: float, want: float) -> str:
+    return f"{100.0 * (got / want - 1.0):+.1f}" if want > 0 else "-"
+
+
 def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
-    lines = [f"{trace.path.name}: closed-loop loads replayed through the engine's scheduler; step times priced "
-             f"from the op grid, overheads fitted in sample (every load) and out of sample (the other loads)",
+    lines = [f"{trace.path.name}: the steps of each closed loop replayed through the engine's scheduler, and "
+             f"priced from the op grid (overheads fitted on the closed loops' steps)",
              "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % "
-             "| total time error % | out of sample: step MAPE % | total time error % |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| load's time error % |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
-        i, o = row.in_sample, row.out_of_sample
-        lines.append(f"| {row.load} | {row.policy} | {row.num_equal} of {row.num_steps} | {_pct(i.step_mape)} | "
-                     f"{_pct(i.forward_mape)} | {_pct(i.propose_mape)} | {i.total_error:+.1f} | "
-                     f"{_pct(o.step_mape)} | {o.total_error:+.1f} |")
+        if row.steps is not None:
+            e = row.step_errors
+            lines.append(f"| {row.load} | {row.policy} | {row.steps.num_equal} of {row.steps.num_recorded} | "
+                         f"{_pct(e.step_mape)} | {_pct(e.forward_mape)} | {_pct(e.propose_mape)} | "
+                         f"{e.total_error:+.1f} |")
+    lines += ["", "Free-running at the recorded load, against the served requests: error % of p50 / p90 "
+                  "(out of sample: the overheads fitted on the other loads)",
+              "| load | policy | TTFT | ITL | e2e | output tok/s | out of sample: TTFT | ITL | e2e | tok/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        if row.first_difference is not None:
-            lines.append(f"{row.load} {row.policy}: {row.first_difference}")
+        cells = []
+        for sim in (row.simulated, row.simulated_out):
+            rec = row.recorded
+            cells += [f"{_error(sim.ttft_s[0], rec.ttft_s[0])} / {_error(sim.ttft_s[1], rec.ttft_s[1])}",
+                      f"{_error(sim.itl_s[0], rec.itl_s[0])} / {_error(sim.itl_s[1], rec.itl_s[1])}",
+                      f"{_error(sim.e2e_s[0], rec.e2e_s[0])} / {_error(sim.e2e_s[1], rec.e2e_s[1])}",
+                      _error(sim.output_tok_per_s, rec.output_tok_per_s)]
+        lines.append(f"| {row.load} | {row.policy} | " + " | ".join(cells) + " |")
+    for row in rows:
+        if row.steps is not None and row.steps.first_difference is not None:
+            lines.append(f"{row.load} {row.policy}: {row.steps.first_difference}")
     return "\n".join(lines)
 
 
@@ -89,15 +197,16 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     rows = validate_serving(trace)
     print(json.dumps([asdict(r) for r in rows]) if args.json else markdown(trace, rows))
-    return 1 if any(r.first_difference is not None for r in rows) else 0
+    return 1 if any(r.steps is not None and r.steps.first_difference is not None for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m simulator.serve_validate",
-        description="Replay a serving trace's closed-loop loads through the engine's own scheduler: every "
-                    "step's composition against the recorded one (exit status 1 where one differs), and each "
-                    "step's modelled time against its measured seconds.")
+        description="Replay a serving trace's loads through the engine's own scheduler: every closed-loop "
+                    "step's composition against the recorded one (exit status 1 where one differs), each "
+                    "step's modelled time against its measured seconds, and each load free-running against "
+                    "its served requests' latencies and throughput.")
     parser.add_argument("--trace", type=Path, required=True,
                         help="a serving trace directory (recorded with profiler.record --serve-concurrency)")
     parser.add_argument("--json", action="store_true", help="print one JSON list")

@@ -11,7 +11,7 @@ TORCH_FREE_MODULES = ("simulator, simulator.trace, simulator.session, policy, ra
                       "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.settings, "
                       "rakv.prompt_file, rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
                       "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
-                      "profiler.serve_summary, simulator.batch_replay, simulator.step_costs, "
+                      "profiler.serve_summary, simulator.batch_replay, simulator.step_costs, simulator.serve_sim, "
                       "simulator.serve_validate")
 
 

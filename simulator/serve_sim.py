@@ -1,0 +1,116 @@
+"""Serving under load, simulated: the batched replay's steps (``simulator.batch_replay``)
+on a clock, each priced by ``simulator.step_costs``. Imports no torch.
+
+The loop is the engine's as ``profiler.serve_record`` drives it: before each step, the
+requests that have arrived are submitted (a closed loop ``c=N`` submits in request order
+while fewer than N are in flight; an open loop ``rate=R`` submits every request whose
+arrival time has passed, and idles to the next arrival when nothing runs); the step runs
+and the clock moves by its modelled seconds; a request's first token and its finish are
+at the end of the step that made them. Between steps the engine spent under a millisecond
+on the recorded traces (the scheduling and admissions), which is left out.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from simulator.batch_replay import BatchReplay
+from simulator.step_costs import StepCosts
+from simulator.trace import RecordedRequest
+
+
+@dataclass(frozen=True)
+class TimedRequest:
+    """One request as simulated; times from the load's start."""
+
+    index: int  # its place in the load's requests (submission order in a closed loop)
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_output_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> float | None:
+        """Mean time between its output tokens after the first (None for one token)."""
+        n = self.num_output_tokens
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True)
+class LoadRun:
+    steps: list  # ReplayedStep, in order
+    requests: list[TimedRequest]  # in finish order
+
+
+def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_tokens: int,
+             costs: StepCosts | None, concurrency: int | None = None,
+             arrivals_s: list[float] | None = None) -> LoadRun:
+    """``requests`` served by ``replay`` (fresh) at a fixed ``concurrency`` (closed loop)
+    or at ``arrivals_s`` (open loop, one time per request); each step priced by ``costs``
+    (None: no clock, every time 0; a closed loop's steps do not depend on it)."""
+    if (concurrency is None) == (arrivals_s is None):
+        raise ValueError("give a concurrency or arrival times, not both")
+    if arrivals_s is not None and costs is None:
+        raise ValueError("an open loop needs step costs: its arrivals meet the steps in time")
+    pending = deque(range(len(requests)))
+    index_of: dict[int, int] = {}  # the replay's request id -> index in requests
+    arrival: dict[int, float] = {}
+    first: dict[int, float] = {}
+    steps, timed = [], []
+    clock = 0.0
+
+    def submit(index: int, at_s: float) -> None:
+        request_id = replay.submit(requests[index], max_new_tokens)
+        index_of[request_id], arrival[request_id] = index, at_s
+
+    while pending or replay.has_work():
+        if arrivals_s is None:
+            while pending and len(arrival) - len(timed) < concurrency:
+                submit(pending.popleft(), clock)
+        else:
+            while pending and arrivals_s[pending[0]] <= clock:
+                index = pending.popleft()
+                submit(index, arrivals_s[index])
+            if not replay.has_work():
+                clock = arrivals_s[pending[0]]  # idle until the next arrival
+                continue
+        step = replay.step()
+        steps.append(step)
+        if costs is not None:
+            clock += costs.seconds(step.composition)
+        for request_id in step.first_tokens:
+            first[request_id] = clock
+        for request_id, num_output in step.finished:
+            timed.append(TimedRequest(index_of[request_id], arrival[request_id], first[request_id], clock,
+                                      num_output))
+    return LoadRun(steps, timed)
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    """A load's latencies (p50, p90 seconds) and output tokens per second."""
+
+    ttft_s: tuple[float, float]
+    itl_s: tuple[float, float]
+    e2e_s: tuple[float, float]
+    output_tok_per_s: float
+
+
+def summarize(times: list[tuple[float, float, float, int]]) -> LoadSummary:
+    """(arrival, first token, finish, output tokens) per request -> the load's summary."""
+    def p(values) -> tuple[float, float]:
+        return float(np.percentile(values, 50)), float(np.percentile(values, 90))
+    itl = [(f - t) / (n - 1) for _, t, f, n in times if n > 1]
+    makespan = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
+    return LoadSummary(p([t - a for a, t, _, _ in times]), p(itl or [0.0]), p([f - a for a, _, f, _ in times]),
+                       sum(n for *_, n in times) / makespan if makespan > 0 else 0.0)
