@@ -13,18 +13,19 @@ and how the mode runs it), in each candidate mode's forward, over 1 row and over
 decode step, which every policy takes, the draft's included, and a verification of 4
 drafted tokens, about the k ``rakv`` plans), one call each after a warm-up, the median of
 ``REPEATS``. A mode's cost is each kind's 1-row plus 5-row time times how many layers of
-that kind the pair has. A 9-row forward in place of the 5-row one weighed verification
-too much: on a Zen 3 (AVX2) it made Qwen's int4 and int8 a coin toss (406 against 405 ms)
-where int4 ran ``ar`` 1.45x and ``rakv`` 1.06x faster. Each timed call finds its layer's weights in memory, not
-in cache, as a forward does (it streams every layer once): the calls cycle over copies of
-the layer that together hold twice the last-level cache. Timed hot, one Qwen int8 MLP
-layer fits a 32 MiB L3 and int8's 1-row time came out near int4's, so auto took int8 on a
-Zen 3 where int4 ran ``ar`` 1.45x and ``rakv`` 1.06x faster; a buffer written between
-calls to evict the layer evicted code and page tables too (SmolLM2's small layers took 3x
-their time in a forward). The Linear layers are what differ between the modes; the
-rest of a forward (attention, norms) costs alike. It is not the calibration's timing of
-each mode, which would load and calibrate the pair once per mode (minutes, and the Qwen
-pair's 8 GB in fp32 for each): this takes seconds on the layers already loaded.
+that kind the pair has. Each timed call finds its layer's weights in memory, not in
+cache, as a forward does (it streams every layer once): the calls cycle over copies of the
+layer that together hold twice the last-level cache. On a Zen 3 (AVX2, 32 MiB L3), where
+int4 runs Qwen's ``ar`` 1.45x and ``rakv`` 1.06x faster than int8, both older ways took
+int8 or tossed a coin: timed hot, one int8 MLP layer sat in the L3 and its 1-row time came
+out near int4's; with a 9-row forward in place of the 5-row one, verification weighed so
+much that int4 and int8 came out 406 against 405 ms. A buffer written between calls to
+evict the layer evicted code and page tables too (SmolLM2's small layers took 3x their
+time in a forward). The Linear layers are what differ between the modes; the rest of a
+forward (attention, norms) costs alike. It is not the calibration's timing of each mode,
+which would load and calibrate the pair once per mode (minutes, and the Qwen pair's 8 GB
+in fp32 for each): this takes seconds for SmolLM2 and about a minute for the Qwen pair, on
+the layers already loaded, once per machine.
 
 Results are cached per machine, kernel path and checkpoint as JSON under
 ``<cache root>/weights-choice/``; the choice and its figures are printed once.
@@ -98,14 +99,13 @@ def _cached_costs(models, stored, modes, key) -> dict[str, float]:
 
 
 def mode_cost(models, stored: list[dict], mode: str) -> float:
-    """Seconds of one 1-row and one 9-row forward of every Linear layer of ``models`` in
-    ``mode``, one layer of each kind timed (``layer_kinds``)."""
+    """Seconds of one forward over each of ``ROWS`` of every Linear layer of ``models`` in
+    ``mode``, one layer of each kind timed (``layer_kinds``), from memory (``_num_copies``)."""
     total = 0.0
     for (in_features, out_features, _), (make, count) in layer_kinds(models, stored, mode).items():
         copies = [make() for _ in range(_num_copies(in_features * out_features * WEIGHT_BYTES[mode]))]
         total += count * sum(_median_s(copies, rows, in_features) for rows in ROWS)
     return total
-
 
 
 def _num_copies(layer_bytes: float) -> int:
@@ -171,4 +171,3 @@ def _median_s(copies: list, rows: int, in_features: int) -> float:
                 forward(x)
                 times.append(time.perf_counter() - start)
     return statistics.median(times)
-
