@@ -16,9 +16,40 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from profiler.schema import ServedRow, StepRow, TraceError, table_to_rows
 from profiler.trace_io import read_meta, read_table
 from rakv.cli import run_cli
+
+
+@dataclass(frozen=True)
+class Latencies:
+    """A load's (p50, p90) seconds of time to first token, inter-token latency (each
+    request's mean after its first token) and end to end, and its output tokens per second
+    over the span from the first arrival to the last finish."""
+
+    ttft_s: tuple[float, float]
+    itl_s: tuple[float, float]
+    e2e_s: tuple[float, float]
+    output_tok_per_s: float
+
+
+def latencies(times: list[tuple[float, float, float, int]]) -> Latencies:
+    """(arrival, first token, finish, output tokens) per request -> the load's Latencies:
+    of served rows as measured, and of a simulated load (``simulator.serve_sim``) alike."""
+    def p50_p90(values) -> tuple[float, float]:
+        return float(np.percentile(values, 50)), float(np.percentile(values, 90))
+    itl = [(f - t) / (n - 1) for _, t, f, n in times if n > 1]
+    span_s = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
+    return Latencies(p50_p90([t - a for a, t, _, _ in times]), p50_p90(itl or [0.0]),
+                     p50_p90([f - a for a, _, f, _ in times]),
+                     sum(n for *_, n in times) / span_s if span_s > 0 else 0.0)
+
+
+def served_times(rows: list[ServedRow]) -> list[tuple[float, float, float, int]]:
+    """Served rows as ``latencies`` takes them."""
+    return [(r.arrival_s, r.first_token_s, r.finish_s, len(r.output_ids)) for r in rows]
 
 
 @dataclass(frozen=True)
@@ -50,13 +81,11 @@ def summarize_loads(served: list[ServedRow], steps: list[StepRow]) -> list[LoadS
         ran[step.load, step.policy].append(step)
     summaries = []
     for (load, policy), rows in sorted(requests.items(), key=lambda kv: (_load_order(kv[0][0]), kv[0][1])):
-        span_s = max(r.finish_s for r in rows) - min(r.arrival_s for r in rows)
+        measured = latencies(served_times(rows))
         its_steps = ran[load, policy]
         num_steps = max(len(its_steps), 1)
         summaries.append(LoadSummary(
-            load, policy, sum(len(r.output_ids) for r in rows) / span_s,
-            statistics.median(r.first_token_s - r.arrival_s for r in rows),
-            statistics.median(r.finish_s - r.arrival_s for r in rows), len(its_steps),
+            load, policy, measured.output_tok_per_s, measured.ttft_s[0], measured.e2e_s[0], len(its_steps),
             sum(len(s.request_ids) for s in its_steps) / num_steps, sum(sum(s.rows) for s in its_steps) / num_steps,
             sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows)))
     return summaries

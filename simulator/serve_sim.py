@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from simulator.batch_replay import BatchReplay
 from simulator.step_costs import StepCosts
 from simulator.trace import RecordedRequest
@@ -30,20 +28,6 @@ class TimedRequest:
     first_token_s: float
     finish_s: float
     num_output_tokens: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.finish_s - self.arrival_s
-
-    @property
-    def itl_s(self) -> float | None:
-        """Mean time between its output tokens after the first (None for one token)."""
-        n = self.num_output_tokens
-        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else None
 
 
 @dataclass(frozen=True)
@@ -94,23 +78,3 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
             timed.append(TimedRequest(index_of[request_id], arrival[request_id], first[request_id], clock,
                                       num_output))
     return LoadRun(steps, timed)
-
-
-@dataclass(frozen=True)
-class LoadSummary:
-    """A load's latencies (p50, p90 seconds) and output tokens per second."""
-
-    ttft_s: tuple[float, float]
-    itl_s: tuple[float, float]
-    e2e_s: tuple[float, float]
-    output_tok_per_s: float
-
-
-def summarize(times: list[tuple[float, float, float, int]]) -> LoadSummary:
-    """(arrival, first token, finish, output tokens) per request -> the load's summary."""
-    def p(values) -> tuple[float, float]:
-        return float(np.percentile(values, 50)), float(np.percentile(values, 90))
-    itl = [(f - t) / (n - 1) for _, t, f, n in times if n > 1]
-    makespan = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
-    return LoadSummary(p([t - a for a, t, _, _ in times]), p(itl or [0.0]), p([f - a for a, _, f, _ in times]),
-                       sum(n for *_, n in times) / makespan if makespan > 0 else 0.0)

@@ -30,13 +30,14 @@ from pathlib import Path
 
 from profiler.arrivals import arrivals_s
 from profiler.schema import StepRow, TraceError, table_to_rows
+from profiler.serve_summary import Latencies, latencies, served_times
 from profiler.trace_io import read_table
 from rakv.cli import run_cli
 from rakv.policies import resolve_policy
 from rakv.scheduler import BatchConfig, Composition
 from simulator.batch_replay import BatchReplay, ReplayedStep
 from simulator.costs import CostModelError
-from simulator.serve_sim import LoadSummary, run_load, summarize
+from simulator.serve_sim import LoadRun, run_load
 from simulator.session import SessionError
 from simulator.step_costs import StepCosts, StepErrors, fit_step_costs, step_errors
 from simulator.trace import Trace, load_trace
@@ -88,9 +89,9 @@ class LoadFidelity:
     policy: str
     steps: StepCheck | None  # None: an open loop
     step_errors: StepErrors | None  # in sample; None: an open loop
-    recorded: LoadSummary  # the served requests as measured
-    simulated: LoadSummary  # free-running, overheads in sample
-    simulated_out: LoadSummary  # free-running, overheads fitted on the other loads
+    recorded: Latencies  # the served requests as measured
+    simulated: Latencies  # free-running, overheads in sample
+    simulated_out: Latencies  # free-running, overheads fitted on the other loads
 
 
 class ServingReplay:
@@ -140,8 +141,7 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
                  for load in load_names}
     results = []
     for (load, policy), rows in steps.items():
-        recorded = summarize([(r.arrival_s, r.first_token_s, r.finish_s, len(r.output_ids))
-                              for r in served[load, policy]])
+        recorded = latencies(served_times(served[load, policy]))
         run = loads.replay(load, policy, everything)
         run_out = loads.replay(load, policy, leave_out.get(load, everything))
         check = compare_steps(rows, run.steps) if (load, policy) in closed else None
@@ -150,8 +150,8 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
     return results
 
 
-def _summary(run) -> LoadSummary:
-    return summarize([(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in run.requests])
+def _summary(run: LoadRun) -> Latencies:
+    return latencies([(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in run.requests])
 
 
 def _pct(value: float | None) -> str:
