@@ -88,6 +88,14 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
     return ForwardCosts(rows, max(median(added), 0.0) if added else 0.0, per_position)
 
 
+def draft_rounds(composition) -> list[tuple[int, int]]:
+    """The step's draft-model rounds: (tokens proposed, the request's cached positions) each;
+    a round feeds the target its last token and the proposal."""
+    return [(rows - 1, cached) for kind, drafter, rows, cached in zip(composition.kinds, composition.drafters,
+                                                                      composition.rows, composition.num_cached)
+            if kind == VERIFY and drafter == DRAFT_MODEL]
+
+
 @dataclass(frozen=True)
 class StepOverhead:
     per_step_s: float
@@ -105,9 +113,7 @@ class StepCosts:
 
     def propose_s(self, composition) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
-        rounds = [(rows - 1, c) for kind, d, rows, c in zip(composition.kinds, composition.drafters, composition.rows,
-                                                             composition.num_cached)
-                  if kind == VERIFY and d == DRAFT_MODEL]
+        rounds = draft_rounds(composition)
         if not rounds or self.draft is None:
             return 0.0
         return sum(self.draft.seconds([(1, c + j) for proposed, c in rounds if proposed > j])
@@ -151,8 +157,7 @@ def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence) -> Ste
         pairs = [(m, r) for m, r in pairs if r > 0]
         return 100.0 * sum(abs(m - r) / r for m, r in pairs) / len(pairs) if pairs else None
     modelled = [costs.seconds(c) for c in compositions]
-    drafting = [(costs.propose_s(c), r.propose_s) for c, r in zip(compositions, rows)
-                if any(kind == VERIFY and d == DRAFT_MODEL for kind, d in zip(c.kinds, c.drafters))]
+    drafting = [(costs.propose_s(c), r.propose_s) for c, r in zip(compositions, rows) if draft_rounds(c)]
     return StepErrors(len(rows), mape(zip(modelled, (r.seconds for r in rows))),
                       mape((costs.forward_s(c), r.forward_s) for c, r in zip(compositions, rows)),
                       mape(drafting), 100.0 * (sum(modelled) / sum(r.seconds for r in rows) - 1.0))
