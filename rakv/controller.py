@@ -21,6 +21,7 @@ from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, f
                           priced_actions, readied_drafters, usable_drafters)
 from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context
 from rakv.drafters import DRAFT_MODEL
+from rakv.prefix_index import as_token_array
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
 
@@ -216,3 +217,44 @@ def make_planner(choice: Choice, features: RequestFeatures,
     if policy is None:
         raise ValueError("an adaptive choice needs the adaptive policy's timings and estimates")
     return policy.planner(features, choice.action)
+
+
+# -- a request's start ---------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """A request's start: its policy's action and round planner, the store's matches, and
+    what it reuses (``StoreModel.start``: the entries reused are touched)."""
+
+    action: Action
+    planner: object
+    match: object  # rakv.store_model.PrefixMatch, the target's
+    draft_match: object  # the draft's
+    reuse: object  # rakv.store_model.Reuse: the target's reused positions and hit kind
+    draft_reused: int | None  # the draft model's reused positions; None: the action does not ready it
+
+
+def request_features(store, namespaces: tuple[str | None, str | None], prompt,
+                     max_new: int) -> tuple[RequestFeatures, object, object]:
+    """What the policy sees of a request, and the matches it is based on (nothing touched):
+    ``store`` a ``rakv.store_model.StoreModel``, ``namespaces`` the target's and the draft's
+    (None: no draft model), ``prompt`` its token ids."""
+    tokens = as_token_array(prompt)  # converted once for both lookups
+    match, draft_match = store.match(namespaces[0], tokens), store.match(namespaces[1], tokens)
+    return RequestFeatures.of(match, draft_match, max_new, tokens), match, draft_match
+
+
+def start_request(store, namespaces: tuple[str | None, str | None], prompt, max_new: int, policy: Policy,
+                  missing_draft: Exception | None = None) -> Decision:
+    """A request's start, as the engine makes it (``Engine.decide``) and the batched replay
+    replays it (``simulator.batch_replay``): its lookups (``request_features``), its policy's
+    action and round planner, then its reuse taken from the store. ``missing_draft``: what to
+    raise, before the store is touched, where the planner readies a draft model the pair
+    lacks (None: the pair has one)."""
+    features, match, draft_match = request_features(store, namespaces, prompt, max_new)
+    action = policy.decide(features)
+    planner = policy.planner(features, action)
+    draft_ready = DRAFT_MODEL in planner.drafters
+    if draft_ready and missing_draft is not None:
+        raise missing_draft
+    reuse, draft_reused = store.start(match, draft_match if draft_ready else None, action.r)
+    return Decision(action, planner, match, draft_match, reuse, draft_reused if draft_ready else None)

@@ -14,14 +14,13 @@ from dataclasses import asdict, dataclass
 
 from transformers import DynamicCache
 
-from rakv.controller import Policy, RequestOutcome
+from rakv.controller import Decision, Policy, RequestOutcome, request_features, start_request
 from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
 from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, RunLengths, matching_prefix_length
 from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
-from rakv.prefix_index import as_token_array
 from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.rounds import PlannedRounds, draft_cache_positions, walk
 from rakv.settings import EngineConfig
@@ -75,19 +74,6 @@ class RequestResult:
         return row
 
 
-@dataclass(frozen=True)
-class Decision:
-    """A request's start: its policy's action and round planner, the store's matches, and
-    what it reuses (``StoreModel.start``: the entries reused are touched)."""
-
-    action: Action
-    planner: object
-    match: PrefixMatch
-    draft_match: PrefixMatch
-    reuse: object  # rakv.store_model.Reuse: the target's reused positions and hit kind
-    draft_reused: int | None  # the draft model's reused positions; None: the action does not ready it
-
-
 class Engine:
     def __init__(self, pair: ModelPair, policy: Policy, config: EngineConfig = EngineConfig(),
                  store: KVStore | None = None):
@@ -131,21 +117,17 @@ class Engine:
 
     def decide(self, prompt: list[int], max_new: int, policy: Policy) -> Decision:
         """The request's lookups, its policy's decision, and its reuse taken from the store."""
-        features, match, draft_match = self.features(prompt, max_new)
-        action = policy.decide(features)
-        planner = policy.planner(features, action)
-        draft_ready = DRAFT_MODEL in planner.drafters
-        if draft_ready and self.pair.draft is None:
-            raise RequestError(f"policy {policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
-        reuse, draft_reused = self.store.model.start(match, draft_match if draft_ready else None, action.r)
-        return Decision(action, planner, match, draft_match, reuse, draft_reused if draft_ready else None)
+        missing = None if self.pair.draft is not None else RequestError(
+            f"policy {policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
+        return start_request(self.store.model, self._namespaces, prompt, max_new, policy, missing)
 
     def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, PrefixMatch, PrefixMatch]:
         """What the policy sees, and the store matches it is based on (not yet touched)."""
-        tokens = as_token_array(prompt)  # converted once for both lookups
-        match = self.store.model.match(self.pair.target_fingerprint, tokens)
-        draft_match = self.store.model.match(self.pair.draft_fingerprint, tokens)
-        return RequestFeatures.of(match, draft_match, max_new, tokens), match, draft_match
+        return request_features(self.store.model, self._namespaces, prompt, max_new)
+
+    @property
+    def _namespaces(self) -> tuple[str, str | None]:
+        return self.pair.target_fingerprint, self.pair.draft_fingerprint
 
     # -- steps -------------------------------------------------------------------
     def validate(self, prompt_ids, max_new_tokens: int) -> list[int]:

@@ -3,7 +3,8 @@ the same code, not a copy) over a trace's facts. Imports no torch.
 
 ``BatchReplay`` stands where ``rakv.batch_engine.BatchEngine`` stands, with the models
 replaced by the trace: admission looks the prompt up in the engine's store model, the
-request's policy decides and makes its round planner (as ``Engine.decide``); each step
+request's policy decides and makes its round planner (``rakv.controller.start_request``,
+as ``Engine.decide`` does); each step
 carries out the scheduler's works, a prefill chunk advancing the cached positions, a
 round proposing and accepting what the request's recorded run lengths say
 (``rakv.acceptance``'s ``RunLengthRounds``, the batch-1 replay's rounds), a plain step
@@ -23,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rakv.acceptance import RunLengthRounds
-from rakv.controller import Policy, RequestOutcome
-from rakv.cost_model import RequestFeatures
+from rakv.controller import Policy, RequestOutcome, start_request
 from rakv.drafters import DRAFT_MODEL
 from rakv.rounds import draft_cache_after
 from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
@@ -164,17 +164,12 @@ class BatchReplay:
     # -- admission, first token, finish (``BatchEngine``'s, over the store model) ------
     def _admit(self, seq: Seq) -> None:
         live = self._live[seq.request_id]
-        prompt = live.recorded.token_ids[:seq.num_prompt]
-        match = self.store.match(self.target_namespace, prompt)
-        draft_match = self.store.match(self.draft_namespace, prompt)
-        features = RequestFeatures.of(match, draft_match, seq.max_new_tokens, prompt)
-        live.action = self.policy.decide(features)
-        live.planner = self.policy.planner(features, live.action)
-        draft_ready = DRAFT_MODEL in live.planner.drafters
-        if draft_ready and self.inputs.draft_sizes is None:
-            raise SessionError(f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
-        reuse, draft_reused = self.store.start(match, draft_match if draft_ready else None, live.action.r)
-        live.reused, live.draft_reused = reuse.reused_tokens, draft_reused if draft_ready else None
+        missing = None if self.inputs.draft_sizes is not None else SessionError(
+            f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
+        decision = start_request(self.store, (self.target_namespace, self.draft_namespace),
+                                 live.recorded.token_ids[:seq.num_prompt], seq.max_new_tokens, self.policy, missing)
+        live.action, live.planner = decision.action, decision.planner
+        live.reused, live.draft_reused = decision.reuse.reused_tokens, decision.draft_reused
         live.draft_seen = live.draft_reused or 0
         seq.bytes_per_position = self._target_bytes + (self._draft_bytes if live.draft_reused is not None else 0)
         seq.num_computed = live.reused
