@@ -31,6 +31,8 @@ def parse_args(argv):
     p.add_argument("--workload", default="humaneval", help="profiler workload of the prompts (default: humaneval)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default: 32)")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change one setting of the policies, e.g. planner.load_aware=false; repeatable")
     return p.parse_args(argv)
 
 
@@ -43,6 +45,10 @@ def run(args) -> int:
     from rakv.engine import Engine
     from rakv.models import load_pair
     from rakv.scheduler import BatchConfig
+    from rakv.settings import Settings, override
+    settings = Settings()
+    for assignment in args.assignments:
+        settings = override(settings, assignment)
     from profiler.workloads import load_workload
     pair = load_pair(args.pair, weights_mode=args.weights, linear_kernels=args.linear_kernels)
     from rakv import kernels
@@ -57,12 +63,12 @@ def run(args) -> int:
         if name == "rakv" and timings is None:
             timings = load_or_calibrate(pair)
         start = time.perf_counter()
-        engine = Engine(pair, make_policy(name, timings))
+        engine = Engine(pair, make_policy(name, timings, settings.controller))
         want = [engine.generate(p, args.max_new_tokens).output_ids for p in prompts]
         base = sum(map(len, want)) / (time.perf_counter() - start)
         print(f"| {name} | batch 1 | {base:.2f} | 1.00 | - | - |", flush=True)
         for c in concurrencies:
-            engine = BatchEngine(pair, make_policy(name, timings),
+            engine = BatchEngine(pair, make_policy(name, timings, settings.controller),
                                  batch=BatchConfig(max_num_seqs=c, max_num_batched_tokens=args.max_num_batched_tokens))
             start = time.perf_counter()
             got = [r.output_ids for r in engine.run([(p, args.max_new_tokens) for p in prompts])]

@@ -101,10 +101,17 @@ class ModelTimings:
     def verify_s(self, num_tokens: int, num_context: int) -> float:
         if num_tokens <= 1:
             return self.step_s(num_context)
+        return self.step_s(num_context) + self.rows_extra_s(num_tokens)
+
+    def rows_extra_s(self, num_rows: int) -> float:
+        """Seconds a forward of ``num_rows`` rows takes over a one-row step: the measured
+        curve (extended along its last segment past the longest verification measured, as
+        a batched step's rows may be), else the line."""
+        if num_rows <= 1:
+            return 0.0
         if self.verify_tokens:
-            return self.step_s(num_context) + interpolate((1, *self.verify_tokens), (0.0, *self.verify_extra_s),
-                                                          num_tokens)
-        return self.step_s(num_context) + self.verify_fixed_s + self.verify_per_token_s * (num_tokens - 1)
+            return interpolate((1, *self.verify_tokens), (0.0, *self.verify_extra_s), num_rows)
+        return self.verify_fixed_s + self.verify_per_token_s * (num_rows - 1)
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

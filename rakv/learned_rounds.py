@@ -38,6 +38,7 @@ import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
+from rakv.step_load import StepLoad
 from rakv.trees import sigmoid
 
 ROUND_FEATURES = ("signal", "proposed", "extent", "position", "tokens_left", "estimate", "trials", "drafter_rate",
@@ -137,15 +138,16 @@ class LearnedRounds(AdaptiveRounds):
             return NONE
         return table[0].get(int(self._tokens[self.num_prompt + t - 1]), table[1])
 
-    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
+    def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
         self._t = t
         if self.log is not None:
             for drafter in self.drafters:
                 if drafter != NGRAM or self._lengths[NGRAM].proposed[t]:
                     self.log.append((t, drafter, self.features(drafter, signals[drafter], t)))
         if self.model is None:
-            return super().plan(signals, t)
-        best_rate, best = self._plain_rate, self._plain
+            return super().plan(signals, t, load)
+        offset, best_rate, costs_s = self._prices(load)
+        best = self._plain
         for drafter in self.drafters:
             top = self._max_k
             if drafter == NGRAM:  # as the engine sees it: a proposal of at most shadow_length
@@ -153,17 +155,18 @@ class LearnedRounds(AdaptiveRounds):
                 if not top:
                     continue  # nothing to propose
             if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
-                progress, costs = self._priced(drafter, signals[drafter])
+                progress, costs = self._priced(drafter, signals[drafter], costs_s=costs_s[drafter])
             else:
                 first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)
-                if (1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * self._cheapest[drafter]:
+                cheapest = self._cheapest[drafter] if costs_s is self.costs_s else costs_s[drafter][1]
+                if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
                     continue
                 stops = self._stop_shares if drafter == DRAFT_MODEL else (0.0, 0.0)
-                progress, costs = run_rounds(first, further, *stops, self.costs_s[drafter], top)
+                progress, costs = run_rounds(first, further, *stops, costs_s[drafter], top)
             beat = best_rate * (1 + 1e-9)
             for k in range(1, top + 1):
-                rate = progress[k] / costs[k]
+                rate = (offset + progress[k]) / costs[k]
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best

@@ -22,11 +22,12 @@ the timing noise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths, ngram_prior
+from rakv.step_load import StepLoad, load_prices
 
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
 
@@ -87,7 +88,7 @@ class FixedRounds:
         """Its rounds depend on the request alone: a replay computes them once per request."""
         return (self.drafter, self.k)
 
-    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
+    def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
         return self.drafter, self.k
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
@@ -101,15 +102,19 @@ class FixedRounds:
 @dataclass(frozen=True)
 class RoundCosts:
     """Seconds of a plain step and, per drafter, of a round drafting k = 0..max_k tokens,
-    at one context length (``round_costs``)."""
+    at one context length (``round_costs``); with the timings they came from, which price
+    a round under load (``rakv.step_load``; None: it is priced alone)."""
 
     step_s: float
     round_s: Mapping[str, tuple[float, ...]]
+    timings: PairTimings | None = None
+    num_context: int = 0
 
 
 def round_costs(timings: PairTimings, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
     return RoundCosts(round_s(timings, DRAFT_MODEL, 0, num_context),
-                      {d: tuple(round_s(timings, d, k, num_context) for k in range(max_k + 1)) for d in drafters})
+                      {d: tuple(round_s(timings, d, k, num_context) for k in range(max_k + 1)) for d in drafters},
+                      timings, num_context)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,9 @@ class PlannerConfig:
     # request moves its own threshold as its draft tokens are verified
     # (``confidence_threshold``). 0: proposals always run to k.
     draft_confidence: float = 0.4
+    # Price a round in a batched step by what it adds to the step and delays for the other
+    # requests (``rakv.step_load``); off: as if it ran alone, as engines before it did.
+    load_aware: bool = field(default=True, metadata={"before": False})
 
     def __post_init__(self):
         if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH or self.shadow_length < 1:
@@ -266,6 +274,7 @@ class AdaptiveRounds:
         self.fallback = dict(fallback)  # per drafter, for a signal not seen before
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
         self.step_s = costs.step_s
+        self._round_costs = costs if config.load_aware and costs.timings is not None else None
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
         # Per drafter, the acceptance at or below which none of its rounds can beat that
         # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
@@ -290,34 +299,53 @@ class AdaptiveRounds:
     def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
         pass  # the signals are all it reads
 
-    def plan(self, signals: Mapping[str, int], t: int = 0) -> tuple[str, int]:
+    def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
+        """``load``: the rest of the batched step the round joins (None or no other
+        request: priced alone)."""
         if self._probe is not None:
             drafter, self._probe = self._probe, None
             progress, costs = self._priced(drafter, signals[drafter])
             return drafter, max(range(1, self._max_k + 1), key=lambda k: progress[k] / costs[k])
-        best_rate, best = self._plain_rate, self._plain
+        offset, best_rate, costs_s = self._prices(load)
+        best = self._plain
         for drafter in self.drafters:
             signal = signals[drafter]
             a = self.acceptance.get((drafter, signal))
             if a is None:  # kept: the same value ``estimate`` would give on every later call
                 a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
-            if a <= self._hopeless[drafter]:
-                continue  # no round of this drafter can win (see __init__)
-            progress, costs = self._priced(drafter, signal, a)
+            if costs_s is self.costs_s:
+                if a <= self._hopeless[drafter]:
+                    continue  # no round of this drafter can win (see __init__)
+            elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
+                continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
+            progress, costs = self._priced(drafter, signal, a, costs_s[drafter])
             beat = best_rate * (1 + 1e-9)
             for k in range(1, self._max_k + 1):
-                rate = progress[k] / costs[k]
+                rate = (offset + progress[k]) / costs[k]
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
 
-    def _priced(self, drafter: str, signal: int, a: float | None = None) -> tuple[list[float], Sequence[float]]:
-        """(E_k, seconds of a round) for k = 0..max_k of ``drafter`` under ``signal``."""
+    def _prices(self, load: StepLoad | None) -> tuple[float, float, Mapping[str, Sequence[float]]]:
+        """(the others' tokens, the rate a round must beat, each drafter's round seconds)
+        in a step under ``load`` (``rakv.step_load``); alone, the batch-1 prices themselves."""
+        costs = self._round_costs
+        if load is None or not load.num_others or costs is None:
+            return 0.0, self._plain_rate, self.costs_s
+        prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
+        return prices.offset, (prices.offset + 1.0 + self.config.min_gain) / prices.base_s, prices.costs_s
+
+    def _priced(self, drafter: str, signal: int, a: float | None = None,
+                costs_s: Sequence[float] | None = None) -> tuple[list[float], Sequence[float]]:
+        """(E_k, seconds of a round) for k = 0..max_k of ``drafter`` under ``signal``, the
+        round's seconds by whole k ``costs_s`` (default: alone)."""
         if a is None:
             a = self.estimate(drafter, signal)
+        if costs_s is None:
+            costs_s = self.costs_s[drafter]
         if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
-            return stopped_rounds(a, *self._stop_shares, self.costs_s[drafter], self._max_k)
-        return progress_by_k(a, self._max_k), self.costs_s[drafter]
+            return stopped_rounds(a, *self._stop_shares, costs_s, self._max_k)
+        return progress_by_k(a, self._max_k), costs_s
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
                 probs: Sequence[float] = ()) -> None:

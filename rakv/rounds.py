@@ -160,9 +160,10 @@ class PlannedRounds:
 
     # The two halves of ``move``, apart for an engine that runs many requests' moves in one
     # batched forward (``rakv.batch_engine``): ``plan_move`` before it, ``finish_move`` after.
-    def plan_move(self, t: int, max_k: int | None = None) -> tuple[str | None, int]:
+    def plan_move(self, t: int, max_k: int | None = None, load=None) -> tuple[str | None, int]:
         """The planner's (drafter, k) at t, k clipped so the round drafts nothing past
-        max_new_tokens (and to ``max_k`` where given: a step's row budget); k = 0: a plain step."""
+        max_new_tokens (and to ``max_k`` where given: a step's row budget); k = 0: a plain
+        step. ``load``: the rest of the batched step (``rakv.step_load.StepLoad``), or None."""
         signals = self._signals
         for d, by_position in self._signal_lists:
             signals[d] = by_position[t]
@@ -171,7 +172,7 @@ class PlannedRounds:
         limit = self.max_new_tokens - t - 1
         if max_k is not None and max_k < limit:
             limit = max_k
-        drafter, k = self._plan(signals, t) if limit > 0 else _NO_PLAN
+        drafter, k = self._plan(signals, t, load) if limit > 0 else _NO_PLAN
         return drafter, k if k <= limit else limit
 
     def stop_below(self, drafter: str) -> float:

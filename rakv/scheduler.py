@@ -13,7 +13,9 @@ Invariants:
 - Order. ``running`` is in admission order. A step plans the decoding requests first, in
   that order (their rows are what keeps tokens flowing), then prefill chunks in that
   order, then admits waiting requests from the front of ``waiting`` while rows, seats
-  and memory last. A preempted request goes back to the front of ``waiting``.
+  and memory last. A preempted request goes back to the front of ``waiting``. A round's
+  planner is shown the rest of the step (``rakv.step_load.StepLoad``): the rounds planned
+  before it, and one row for each decoding request after it.
 - Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
   clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
   a request's rounds, never its tokens.
@@ -30,6 +32,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from rakv.drafters import DRAFT_MODEL
+from rakv.step_load import StepLoad
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
@@ -144,15 +149,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._step_rows = {}
         works: list[Work] = []
-        for seq in list(self.running):
-            if seq.prefilling or seq not in self.running or budget == 0:
-                continue  # a prefill waits for the second pass; a preempted one is gone
+        decoding = [seq for seq in self.running if not seq.prefilling]  # a prefill waits for the second pass
+        planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
+        for i, seq in enumerate(decoding):
+            if seq not in self.running or budget == 0:
+                continue  # a preempted one is gone
             rows = self._rows_for(seq, budget)
             if rows == 0:
                 continue  # it preempted itself
-            drafter, k = seq.moves.plan_move(seq.t, rows - 1)
+            unplanned = sum(1 for later in decoding[i + 1:] if later in self.running)
+            load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths))
+            drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
             budget -= k + 1
+            planned_rows += k + 1
+            if drafter == DRAFT_MODEL and k:
+                depths[:k] = [n + 1 for n in depths[:k]] + [1] * (k - len(depths))
         for seq in self.running:
             if seq.prefilling and budget > 0:
                 work = self._chunk(seq, budget)

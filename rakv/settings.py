@@ -15,8 +15,10 @@ default) or exactly as the recording did (``--as-recorded``).
 ``settings_to_json`` and ``settings_from_json`` convert frozen dataclasses, possibly
 nested, to and from plain JSON objects. Unknown keys are refused, and so, in settings,
 are missing ones: a setting this version does not know, or one written before it
-existed, would be replayed wrong, silently. A fact a file lacks takes its field's
-default, which says "not measured" (``ModelTimings.verify_tokens``: ``()``).
+existed, would be replayed wrong, silently. A setting added later may name the value that
+reproduces the engines before it (``field(metadata={"before": ...})``): a file without it
+takes that. A fact a file lacks takes its field's default, which says "not measured"
+(``ModelTimings.verify_tokens``: ``()``).
 """
 from __future__ import annotations
 
@@ -181,10 +183,13 @@ def settings_from_json(cls: type, data: dict, strict: bool = True):
     ``strict``, a lacking key takes the field's default."""
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} settings must be a JSON object, got {type(data).__name__}")
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ValueError(f"unknown {cls.__name__} setting {unknown[0]!r}")
+    # a setting added later names the value that reproduces the engines written before it
+    data = {**{f.name: f.metadata["before"] for f in fields if "before" in f.metadata and f.name not in data}, **data}
     missing = [name for name in names if name not in data]
     if missing and strict:
         raise ValueError(f"{cls.__name__} setting {missing[0]!r} is missing (written by an older version)")
