@@ -17,7 +17,8 @@ Definitions (every time in seconds, from the moment the request was sent):
 - Goodput under an SLO: requests that completed and met every stated bound, per second of
   wall time; the request's ITL for the bound is its mean (vLLM's TPOT), so one slow chunk
   in a long answer does not fail it. Its share is over every request sent, failed ones
-  included.
+  included. (``Percentiles``, ``Slo`` and ``parse_slo`` are ``profiler.serve_summary``'s,
+  shared with the simulator's loads.)
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SLO_KEYS = ("ttft", "itl", "e2e")
+# defined once for measured, simulated and benchmarked loads; bench's callers import them here
+from profiler.serve_summary import SLO_KEYS, Percentiles, Slo, parse_slo, percentiles  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -60,66 +62,9 @@ def failed_record(index: int, sent_s: float, error: str) -> RequestRecord:
     return RequestRecord(index, sent_s, None, None, (), 0, "chunks", "", None, error)
 
 
-@dataclass(frozen=True)
-class Percentiles:
-    """p50, p90 and p99 of a sample and its mean; NaN for an empty sample."""
-
-    p50_s: float
-    p90_s: float
-    p99_s: float
-    mean_s: float
-
-
-def percentiles(values) -> Percentiles:
-    values = np.asarray(list(values), dtype=float)
-    if values.size == 0:
-        return Percentiles(math.nan, math.nan, math.nan, math.nan)
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])  # linear interpolation (numpy's default)
-    return Percentiles(float(p50), float(p90), float(p99), float(values.mean()))
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Per-request bounds in seconds; None: not stated (always met)."""
-
-    ttft_s: float | None = None
-    itl_s: float | None = None
-    e2e_s: float | None = None
-
-    @property
-    def stated(self) -> bool:
-        return any(v is not None for v in (self.ttft_s, self.itl_s, self.e2e_s))
-
-    def describe(self) -> str:
-        parts = [f"{key}<={value:g}s" for key, value in zip(SLO_KEYS, (self.ttft_s, self.itl_s, self.e2e_s))
-                 if value is not None]
-        return ", ".join(parts) or "none"
-
-
-def parse_slo(text: str) -> Slo:
-    """``ttft=0.5,itl=0.1,e2e=4`` (seconds, any subset) as an ``Slo``; ValueError otherwise."""
-    bounds: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in SLO_KEYS:
-            raise ValueError(f"expected KEY=SECONDS with KEY one of {', '.join(SLO_KEYS)}, got {part!r}")
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise ValueError(f"{key.strip()}: {value!r} is not a number of seconds") from None
-        if not (seconds > 0 and math.isfinite(seconds)):
-            raise ValueError(f"{key.strip()}: the bound must be a positive number of seconds, got {value!r}")
-        bounds[f"{key.strip()}_s"] = seconds
-    return Slo(**bounds)
-
-
 def meets_slo(record: RequestRecord, slo: Slo) -> bool:
     """Whether a completed request met every stated bound (a failed one never does)."""
-    if not record.ok:
-        return False
-    checks = ((slo.ttft_s, record.ttft_s), (slo.itl_s, record.mean_itl_s), (slo.e2e_s, record.e2e_s))
-    # a request with one token has no ITL: nothing to exceed
-    return all(bound is None or value is None or value <= bound for bound, value in checks)
+    return record.ok and slo.met(record.ttft_s, record.mean_itl_s, record.e2e_s)
 
 
 def split_tokens(chunk_chars: list[int], total_tokens: int) -> list[int]:

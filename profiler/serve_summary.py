@@ -6,10 +6,18 @@ the span from the first arrival to the last finish), TTFT and e2e medians, the s
 their mean requests and rows, outputs equal to greedy, preemptions. Then the batched
 forwards of the ops table (op ``batch``): each shape's median, and in one-row steps (one
 request, one row, at the same context).
+
+A load's statistics are defined here once, for measured and simulated loads alike
+(``simulator.serve_validate``, ``simulator.load_replay``): percentiles (numpy's linear
+interpolation, as ``vllm bench serve``; ``bench.serve`` takes them and the SLO from here),
+a request's ITL as its mean after its first token (vLLM's TPOT), and an SLO (``Slo``:
+per-request bounds on TTFT, that mean ITL and e2e; a one-token request has no ITL to
+exceed), whose goodput is the requests meeting every bound per second of the load's span.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -23,11 +31,112 @@ from profiler.trace_io import read_meta, read_table
 from rakv.cli import run_cli
 
 
+SLO_KEYS = ("ttft", "itl", "e2e")
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """p50, p90 and p99 of a sample and its mean; NaN for an empty sample."""
+
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    mean_s: float
+
+
+def percentiles(values) -> Percentiles:
+    values = np.asarray(list(values), dtype=float)
+    if values.size == 0:
+        return Percentiles(math.nan, math.nan, math.nan, math.nan)
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])  # linear interpolation (numpy's default)
+    return Percentiles(float(p50), float(p90), float(p99), float(values.mean()))
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request bounds in seconds; None: not stated (always met)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    e2e_s: float | None = None
+
+    @property
+    def stated(self) -> bool:
+        return any(v is not None for v in (self.ttft_s, self.itl_s, self.e2e_s))
+
+    def describe(self) -> str:
+        parts = [f"{key}<={value:g}s" for key, value in zip(SLO_KEYS, (self.ttft_s, self.itl_s, self.e2e_s))
+                 if value is not None]
+        return ", ".join(parts) or "none"
+
+    def met(self, ttft_s: float | None, itl_s: float | None, e2e_s: float | None) -> bool:
+        """Whether a completed request's times meet every stated bound (``itl_s``: its mean
+        inter-token latency, None for a one-token request: nothing to exceed)."""
+        checks = ((self.ttft_s, ttft_s), (self.itl_s, itl_s), (self.e2e_s, e2e_s))
+        return all(bound is None or value is None or value <= bound for bound, value in checks)
+
+
+def parse_slo(text: str) -> Slo:
+    """``ttft=0.5,itl=0.1,e2e=4`` (seconds, any subset) as an ``Slo``; a one-line ValueError
+    naming the bad part otherwise."""
+    bounds: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in SLO_KEYS:
+            raise ValueError(f"expected KEY=SECONDS with KEY one of {', '.join(SLO_KEYS)}, got {part!r}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"{key.strip()}: {value!r} is not a number of seconds") from None
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"{key.strip()}: the bound must be a positive number of seconds, got {value!r}")
+        bounds[f"{key.strip()}_s"] = seconds
+    return Slo(**bounds)
+
+
+@dataclass(frozen=True)
+class LoadLatencies:
+    """A load's percentiles of time to first token, inter-token latency (each request's
+    mean after its first token) and end to end; the span from its first arrival to its
+    last finish, and its output tokens over that span."""
+
+    ttft: Percentiles
+    itl: Percentiles
+    e2e: Percentiles
+    span_s: float
+    num_output_tokens: int
+    output_tok_per_s: float
+
+
+def mean_itl_s(first_token_s: float, finish_s: float, num_output_tokens: int) -> float | None:
+    """A request's mean inter-token latency after its first token; None with one token."""
+    return (finish_s - first_token_s) / (num_output_tokens - 1) if num_output_tokens > 1 else None
+
+
+def num_meeting_slo(times: list[tuple[float, float, float, int]], slo: Slo) -> int:
+    """How many requests ((arrival, first token, finish, output tokens) each) met every
+    bound ``slo`` states: goodput's numerator."""
+    return sum(slo.met(t - a, mean_itl_s(t, f, n), f - a) for a, t, f, n in times)
+
+
+def load_latencies(times: list[tuple[float, float, float, int]]) -> LoadLatencies:
+    """(arrival, first token, finish, output tokens) per request -> the load's
+    LoadLatencies: of served rows as measured, and of a simulated load
+    (``simulator.serve_sim``) alike. A load whose requests all made one token has an ITL
+    of 0."""
+    itl = [mean_itl_s(t, f, n) for _, t, f, n in times if n > 1]
+    span_s = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
+    num_output = sum(n for *_, n in times)
+    return LoadLatencies(percentiles([t - a for a, t, _, _ in times]), percentiles(itl or [0.0]),
+                         percentiles([f - a for a, _, f, _ in times]), span_s, num_output,
+                         num_output / span_s if span_s > 0 else 0.0)
+
+
 @dataclass(frozen=True)
 class Latencies:
     """A load's (p50, p90) seconds of time to first token, inter-token latency (each
     request's mean after its first token) and end to end, and its output tokens per second
-    over the span from the first arrival to the last finish."""
+    over the span from the first arrival to the last finish (``LoadLatencies``, shortened)."""
 
     ttft_s: tuple[float, float]
     itl_s: tuple[float, float]
@@ -36,15 +145,10 @@ class Latencies:
 
 
 def latencies(times: list[tuple[float, float, float, int]]) -> Latencies:
-    """(arrival, first token, finish, output tokens) per request -> the load's Latencies:
-    of served rows as measured, and of a simulated load (``simulator.serve_sim``) alike."""
-    def p50_p90(values) -> tuple[float, float]:
-        return float(np.percentile(values, 50)), float(np.percentile(values, 90))
-    itl = [(f - t) / (n - 1) for _, t, f, n in times if n > 1]
-    span_s = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
-    return Latencies(p50_p90([t - a for a, t, _, _ in times]), p50_p90(itl or [0.0]),
-                     p50_p90([f - a for a, _, f, _ in times]),
-                     sum(n for *_, n in times) / span_s if span_s > 0 else 0.0)
+    """``load_latencies``' p50 and p90 and output tok/s."""
+    full = load_latencies(times)
+    return Latencies((full.ttft.p50_s, full.ttft.p90_s), (full.itl.p50_s, full.itl.p90_s),
+                     (full.e2e.p50_s, full.e2e.p90_s), full.output_tok_per_s)
 
 
 def served_times(rows: list[ServedRow]) -> list[tuple[float, float, float, int]]:

@@ -5,6 +5,13 @@
   the request's prompt length and stored hit length;
 - ``crossover.png``: time per token against acceptance for each k and drafter, with the
   plain step's and the break-even acceptance marked (``simulator.crossover``).
+
+Under load (a serving trace, ``simulator.load_replay``), ``write_load_plots``:
+
+- ``latency_vs_load.png``: p50 (solid) and p90 (dashed) TTFT and ITL against the load, one
+  colour per policy; closed loops (concurrency) and open loops (request rate) side by side;
+- ``speculation_vs_batch.png``: the share of rounds that speculate against the running
+  batch size, one line per policy, its loads' rounds pooled.
 """
 from __future__ import annotations
 
@@ -73,6 +80,45 @@ def write_plots(directory: Path, results: dict, timing: Timing, trace: Trace) ->
                title=f"{drafter}: time per token at context {context} ({timing.source})")
         ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "crossover.png"))
+    return paths
+
+
+def write_load_plots(directory: Path, results: list, title: str) -> list[Path]:
+    """``results``: ``simulator.load_replay.LoadResult``s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simulator.load_replay import pool_speculation
+
+    directory.mkdir(parents=True, exist_ok=True)
+    policies = list(dict.fromkeys(r.policy for r in results))
+    kinds = [kind for kind in ("c", "rate") if any(r.load.startswith(kind + "=") for r in results)]
+    fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 7), squeeze=False)
+    for column, kind in enumerate(kinds):
+        for i, policy in enumerate(policies):
+            mine = sorted((float(r.load.partition("=")[2]), r) for r in results
+                          if r.policy == policy and r.load.startswith(kind + "="))
+            loads = [x for x, _ in mine]
+            for row, (metric, what) in enumerate((("ttft", "TTFT"), ("itl", "ITL"))):
+                ax = axes[row][column]
+                for quantile, style in (("p50_s", "-"), ("p90_s", "--")):
+                    ax.plot(loads, [getattr(getattr(r, metric), quantile) for _, r in mine], style, marker="o",
+                            color=plt.cm.tab10(i % 10), label=policy if style == "-" else None)
+                ax.set(xlabel="concurrency (closed loop)" if kind == "c" else "requests/s (open loop)",
+                       ylabel=f"{what} (s)", title=f"{title}: {what}, p50 solid, p90 dashed")
+                ax.legend(fontsize=7)
+    paths = [_save(fig, directory / "latency_vs_load.png")]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, policy in enumerate(policies):
+        pooled = pool_speculation(r.speculation for r in results if r.policy == policy)
+        ax.plot([at.batch_size for at in pooled], [at.share for at in pooled], marker="o",
+                color=plt.cm.tab10(i % 10), label=policy)
+    ax.set(xlabel="running batch size (decode and verify works in the step)", ylabel="share of rounds with k > 0",
+           ylim=(-0.02, 1.02), title=f"{title}: speculation against the batch size")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, directory / "speculation_vs_batch.png"))
     return paths
 
 

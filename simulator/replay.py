@@ -13,6 +13,12 @@ each request's best schedule of rounds, knowing the run lengths.
     python -m simulator.replay --trace traces/smollm2-sharegpt --policy rakv --requests 10000 --json
     python -m simulator.replay --trace traces/qwen-coder-humaneval --set planner.min_gain=0.2
     python -m simulator.replay --trace traces/smollm2-chat --as-recorded
+    python -m simulator.replay --trace traces/qwen-coder-chat-serve --policy ar,rakv --concurrency 1,2,4,8
+
+On a serving trace (batched forwards in its ops, or recorded steps) the replay serves loads
+through the batching engine's replay instead (``simulator.load_replay``): ``--concurrency``
+closed loops and ``--arrival-rate`` open loops (comma lists: a sweep; default: the loads the
+trace recorded), one row per load and policy; the oracles are batch-1 only.
 
 A replay decides with today's engine settings over the trace's facts (tokens, run
 lengths, probabilities, op timings, calibration, model sizes), unless ``--as-recorded``;
@@ -34,13 +40,14 @@ import numpy as np
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
-from rakv.policies import LEARNED, check_policy, resolve_policy, shipped_policy
+from rakv.policies import LEARNED, check_policy, shipped_policy
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
+from simulator.load_replay import has_serving_grid, serve_loads
 from simulator.oracle import Oracle
 from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
 from simulator.schedule import Arrival, ScheduleError, schedule
-from simulator.session import Session, SessionError
+from simulator.session import Session, SessionError, trace_policy
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace, under_ngram
 
@@ -157,9 +164,7 @@ def make_session(name: str, trace: Trace, inputs: DecisionInputs, timing: Timing
     (``rakv.policies``); a learned policy decides with its own controller settings."""
     if name in ORACLES:
         return ORACLES[name](inputs, timing.costs, timing.overhead, trace.target_namespace, trace.draft_namespace)
-    policy = resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
-                            trace.meta.models.get("pair"), strict)
-    return Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
+    return Session(trace_policy(name, trace, inputs, strict), inputs, trace.target_namespace, trace.draft_namespace)
 
 
 def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arrival],
@@ -222,14 +227,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m simulator.replay",
         description="Replay a recorded workload under any policy: exact decisions and acceptance, "
-                    "costs from the trace's per-op timings. Prints one row per policy.")
+                    "costs from the trace's per-op timings. Prints one row per policy; on a serving trace, one "
+                    "row per load and policy, served by the batching engine's replay.")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                    help=f"acceptance trace directory (default: {DEFAULT_TRACE.relative_to(DEFAULT_TRACE.parents[1])})")
     p.add_argument("--timing", type=Path, default=None,
                    help="timing trace of the same model shapes, perhaps another machine's (default: the trace's "
                         "own ops, else the timing trace its metadata names)")
     p.add_argument("--policy", default="all",
-                   help=f"all (default), or comma-separated: {FIXED_POLICY_HELP}, oracle, round-oracle, "
+                   help=f"all (default; under load, without the oracles), or comma-separated: {FIXED_POLICY_HELP}, "
+                        "oracle, round-oracle (batch 1 only), "
                         "learned[=PATH] "
                         "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
     p.add_argument("--strict", action="store_true",
@@ -243,13 +250,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help='a JSON file of settings by section, e.g. {"planner": {"min_gain": 0.2}}')
     p.add_argument("--budget-mib", type=float, default=None,
                    help="prefix store budget (short for --set store.budget_bytes=...; default: the settings')")
-    p.add_argument("--arrival-rate", type=float, default=None,
-                   help="Poisson arrivals per second (default: the recorded arrival times)")
+    p.add_argument("--arrival-rate", default=None, metavar="R[,R...]",
+                   help="Poisson arrivals per second (default: the recorded arrival times); on a serving trace "
+                        "a comma list of open-loop loads (inf: all at once; with neither this nor --concurrency, "
+                        "the loads the trace recorded)")
     p.add_argument("--requests", type=int, default=None,
                    help="resample the trace's requests, with their prefix families, to this many (default: as recorded)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the resampling and the arrivals (default: 0)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per policy instead of a table")
-    p.add_argument("--plot", type=Path, default=None, metavar="DIR", help="also write PNG figures into DIR")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the resampling and the arrivals (default: 0; a serving trace's: its recording's)")
+    load = p.add_argument_group("under load (a serving trace: profiler.record --grid serving --serve-concurrency)")
+    load.add_argument("--concurrency", default=None, metavar="C[,C...]",
+                      help="closed loops: keep C requests in flight, the next submitted when one finishes")
+    load.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                      help="running requests at most (default: the recording's)")
+    load.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                      help="rows of one step at most (default: the recording's)")
+    load.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
+                      help="bounds in seconds, any subset, for goodput: the requests meeting every bound per second "
+                           "(itl: a request's mean inter-token latency); default: no goodput")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per policy (under load: per load and policy) instead of a table")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="also write PNG figures into DIR (under load: latency_vs_load, speculation_vs_batch)")
     return p.parse_args(argv)
 
 
@@ -290,12 +312,40 @@ def settings_line(settings: Settings | None, trace: Trace, as_recorded: bool) ->
     return line + (f"; today's differ from the recording's in {', '.join(apart)}" if apart else "")
 
 
+def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | None) -> int:
+    """The batched mode: the policies at each load (``simulator.load_replay``)."""
+    if args.timing is not None:
+        raise ValueError("--timing is for batch-1 replays: a serving trace's steps are priced by its own serving grid")
+    inputs = trace.decision_inputs(settings)
+    names = policy_names(args.policy, trace, inputs)
+    oracles = [name for name in names if name in ORACLES]
+    if oracles and args.policy != "all":
+        raise ValueError(f"{oracles[0]} replays at batch 1 only; under load give fixed policies, rakv or learned")
+    title = f"{args.trace.name} under load\n{settings_line(settings, trace, args.as_recorded)}"
+    return serve_loads(args, trace, inputs, [name for name in names if name not in ORACLES], title)
+
+
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
-    timing = load_timing(args.timing, trace)
     settings = replay_settings(args, trace)
+    if has_serving_grid(trace):
+        return run_under_load(args, trace, settings)
+    given = [option for option, value in (("--concurrency", args.concurrency), ("--slo", args.slo),
+                                          ("--max-num-seqs", args.max_num_seqs),
+                                          ("--max-num-batched-tokens", args.max_num_batched_tokens))
+             if value is not None]
+    rates = args.arrival_rate.split(",") if args.arrival_rate is not None else [None]
+    if given or len(rates) > 1:
+        raise ValueError(f"{given[0] if given else 'a sweep of --arrival-rate values'} needs a serving trace, and "
+                         f"{args.trace} holds no batched forwards (it replays at batch 1): record one under load "
+                         f"with profiler.record --grid serving --serve-concurrency 1,2,4,8")
+    timing = load_timing(args.timing, trace)
     names = policy_names(args.policy, trace, timing.decision_inputs(trace, settings))
-    arrivals = schedule(trace, args.requests, args.arrival_rate, args.seed)
+    try:  # one rate: checked by ``schedule``, as before sweeps
+        rate = None if rates[0] is None else float(rates[0])
+    except ValueError:
+        raise ValueError(f"--arrival-rate: {rates[0]!r} is not a number") from None
+    arrivals = schedule(trace, args.requests, rate, 0 if args.seed is None else args.seed)
     results = replay(trace, timing, names, arrivals, settings, args.strict)
     summaries = [summary for summary, _ in results.values()]
     if args.json:

@@ -35,6 +35,11 @@ class LoadRun:
     steps: list  # ReplayedStep, in order
     requests: list[TimedRequest]  # in finish order
 
+    def times(self) -> list[tuple[float, float, float, int]]:
+        """(arrival, first token, finish, output tokens) per request, as
+        ``profiler.serve_summary.load_latencies`` takes them."""
+        return [(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in self.requests]
+
 
 def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_tokens: int,
              costs: StepCosts | None, concurrency: int | None = None,

@@ -30,17 +30,19 @@ from pathlib import Path
 
 from profiler.arrivals import arrivals_s
 from profiler.schema import StepRow, TraceError, table_to_rows
+from profiler.serve_record import Load
 from profiler.serve_summary import Latencies, latencies, served_times
 from profiler.trace_io import read_table
 from rakv.cli import run_cli
-from rakv.policies import resolve_policy
 from rakv.scheduler import BatchConfig, Composition
+from rakv.settings import DecisionInputs
 from simulator.batch_replay import BatchReplay, ReplayedStep
 from simulator.costs import CostModelError
+from simulator.schedule import schedule
 from simulator.serve_sim import LoadRun, run_load
-from simulator.session import SessionError
+from simulator.session import SessionError, trace_policy
 from simulator.step_costs import StepCosts, StepErrors, fit_step_costs, step_errors
-from simulator.trace import Trace, load_trace
+from simulator.trace import RecordedRequest, Trace, load_trace
 
 
 def recorded_table(trace: Trace, table: str) -> dict[tuple[str, str], list]:
@@ -94,33 +96,61 @@ class LoadFidelity:
     simulated_out: Latencies  # free-running, overheads fitted on the other loads
 
 
-class ServingReplay:
-    """A serving trace's loads, replayed as it recorded them: its requests, token cap,
-    batching limits, settings and arrival seed."""
+def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None) -> StepCosts:
+    """Step costs from the trace's op grid, the overheads fitted on its closed loops'
+    recorded steps (``steps``: ``recorded_table(trace, "steps")``, read here when None),
+    all of them or all but load ``leave_out``'s. A trace with the serving grid but no
+    closed-loop steps: the grid alone, no overhead."""
+    if steps is None:
+        try:
+            steps = recorded_table(trace, "steps")
+        except TraceError:
+            steps = {}
+    keys = [key for key in steps if key[0].startswith("c=") and key[0] != leave_out]
+    return fit_step_costs(trace.ops, [Composition.of(row) for key in keys for row in steps[key]],
+                          [row.seconds for key in keys for row in steps[key]])
 
-    def __init__(self, trace: Trace):
-        self.trace = trace
-        self.inputs = trace.require_inputs()
+
+class ServingReplay:
+    """A serving trace's loads, replayed as it recorded them (its requests, token cap,
+    batching limits, settings and arrival seed), or with any of those given instead."""
+
+    def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
+                 seed: int | None = None, strict: bool = False, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None):
+        """``num_requests``: the trace's requests resampled with their prefix families
+        (``simulator.schedule``, from ``seed``) instead of its first ``serve_requests``."""
         config = trace.meta.config
-        self.batch = BatchConfig(int(config["max_num_seqs"]), int(config["max_num_batched_tokens"]))
+        self.trace = trace
+        self.inputs = trace.require_inputs() if inputs is None else inputs
+        self.batch = BatchConfig(int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
+                                 int(config["max_num_batched_tokens"] if max_num_batched_tokens is None
+                                     else max_num_batched_tokens))
         self.max_new = int(config["max_new_tokens"])
-        self.requests = list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))])
-        self.seed = int(config.get("seed") or 0)
+        self.seed = int(config.get("seed") or 0) if seed is None else seed
+        self.requests: list[RecordedRequest] = (
+            list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))]) if num_requests is None
+            else [arrival.request for arrival in schedule(trace, num_requests, None, self.seed)])
+        self.strict = strict
 
     def fresh(self, policy_name: str) -> BatchReplay:
-        """An empty replay under the named policy and the trace's recorded settings."""
-        trace, inputs = self.trace, self.inputs
-        policy = resolve_policy(policy_name, inputs.timings, inputs.controller, trace.target_namespace,
-                                trace.draft_namespace, trace.meta.models.get("pair"))
-        return BatchReplay(policy, inputs, self.batch, trace.target_namespace, trace.draft_namespace)
+        """An empty replay under the named policy."""
+        policy = trace_policy(policy_name, self.trace, self.inputs, self.strict)
+        return BatchReplay(policy, self.inputs, self.batch, self.trace.target_namespace, self.trace.draft_namespace)
 
-    def replay(self, load: str, policy_name: str, costs: StepCosts | None):
-        """The recorded ``load`` (``c=N`` or ``rate=R``, the recording's arrivals) under the policy."""
-        replay = self.fresh(policy_name)
+    def replay(self, load: str, policy_name: str, costs: StepCosts | None) -> LoadRun:
+        """The ``load`` labelled ``c=N`` or ``rate=R`` (as ``profiler.serve_record.Load``)."""
         kind, value = load.split("=")
-        if kind == "c":
-            return run_load(replay, self.requests, self.max_new, costs, concurrency=int(value))
-        arrivals = arrivals_s(len(self.requests), float(value), self.seed)
+        return self.run(Load(concurrency=int(value)) if kind == "c" else Load(rate_per_s=float(value)),
+                        policy_name, costs)
+
+    def run(self, load: Load, policy_name: str, costs: StepCosts | None) -> LoadRun:
+        """The requests under ``load`` and the named policy: a closed loop, or an open one at
+        the seed's Poisson arrivals (``profiler.arrivals``, as the recorder drew them)."""
+        replay = self.fresh(policy_name)
+        if load.concurrency is not None:
+            return run_load(replay, self.requests, self.max_new, costs, concurrency=load.concurrency)
+        arrivals = arrivals_s(len(self.requests), load.rate_per_s, self.seed)
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals)
 
 
@@ -130,14 +160,9 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
     loads = ServingReplay(trace)
     closed = [key for key in steps if key[0].startswith("c=")]
     compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
-
-    def fitted(keys):
-        return fit_step_costs(trace.ops, [c for key in keys for c in compositions[key]],
-                              [row.seconds for key in keys for row in steps[key]])
-
-    everything = fitted(closed)
+    everything = fit_serving_costs(trace, steps)
     load_names = sorted({load for load, _ in closed})
-    leave_out = {load: fitted([key for key in closed if key[0] != load]) if len(load_names) > 1 else everything
+    leave_out = {load: fit_serving_costs(trace, steps, leave_out=load) if len(load_names) > 1 else everything
                  for load in load_names}
     results = []
     for (load, policy), rows in steps.items():
@@ -151,7 +176,7 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
 
 
 def _summary(run: LoadRun) -> Latencies:
-    return latencies([(r.arrival_s, r.first_token_s, r.finish_s, r.num_output_tokens) for r in run.requests])
+    return latencies(run.times())
 
 
 def _pct(value: float | None) -> str:

@@ -20,6 +20,7 @@ from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.policies import resolve_policy
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
 from simulator.trace import RecordedRequest, Trace
@@ -135,6 +136,14 @@ class Session:
         max_new = features.num_new_tokens
         return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new,
                                     request.token_ids))
+
+
+def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool = False) -> Policy:
+    """The named policy for the trace's pair and models, resolved as ``rakv.generate``
+    resolves it (``rakv.policies``), calibrated and configured by ``inputs``; a learned
+    policy decides with its own controller settings."""
+    return resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
+                          trace.meta.models.get("pair"), strict)
 
 
 def output_length(request: RecordedRequest, max_new: int) -> int:

@@ -39,8 +39,8 @@ class Timing:
         """What the replay's engine decides with: ``settings`` (None: the trace's recorded
         ones) over the trace's facts, on this timing's machine (its calibration and bytes
         per token) when it is another's."""
-        inputs = self._machine_inputs(trace, trace.require_inputs() if settings is None else trace.inputs)
-        return inputs if settings is None else inputs.with_settings(settings)
+        # the machine sets timings and sizes, the settings the engine and controller: either order
+        return self._machine_inputs(trace, trace.decision_inputs(settings))
 
     def _machine_inputs(self, trace: Trace, inputs: DecisionInputs) -> DecisionInputs:
         if self.own:

@@ -18,7 +18,7 @@ import numpy as np
 from profiler.schema import META_DECISION_INPUTS, OpRow, RequestRow, RunRow, TraceError, TraceMeta, table_to_rows
 from profiler.trace_io import read_meta, read_table
 from rakv.drafters import DRAFT_MODEL, NGRAM, NgramConfig, RunLengths, ngram_run_lengths
-from rakv.settings import DecisionInputs, inputs_from_json
+from rakv.settings import DecisionInputs, Settings, inputs_from_json
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ class Trace:
                              f"replay it under today's settings (without --as-recorded), or re-record it: "
                              f"bash scripts/record_traces.sh {self.path.name}")
         return self.inputs
+
+    def decision_inputs(self, settings: Settings | None) -> DecisionInputs:
+        """The trace's facts under ``settings`` (None: the recorded ones, ``require_inputs``)."""
+        return self.require_inputs() if settings is None else self.inputs.with_settings(settings)
 
 
 def load_trace(path: str | Path) -> Trace:

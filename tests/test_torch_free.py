@@ -8,11 +8,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TORCH_FREE_MODULES = ("simulator, simulator.trace, simulator.session, policy, rakv.prefix_index, rakv.store_model, "
-                      "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.settings, "
+                      "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.step_load, rakv.settings, "
                       "rakv.prompt_file, rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
                       "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
                       "profiler.serve_summary, simulator.batch_replay, simulator.step_costs, simulator.serve_sim, "
-                      "simulator.serve_validate")
+                      "simulator.serve_validate, simulator.load_replay")
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,220 @@
+"""``python -m simulator.replay`` on a serving trace: each policy at each load, served by the
+batching engine's replay. Imports no torch.
+
+For every (load, policy) a fresh ``simulator.batch_replay.BatchReplay`` (the engine's own
+scheduler, store model and the policy, over the trace's facts) serves the requests on the
+modelled clock (``simulator.serve_sim.run_load``), each step priced by
+``simulator.step_costs`` with the overheads fitted on the trace's closed-loop recorded
+steps (``serve_validate.fit_serving_costs``).
+
+- Loads (``profiler.serve_record.Load``): ``c=N``, a closed loop (N in flight, the next
+  submitted when one finishes, in request order); ``rate=R``, an open loop at Poisson
+  arrivals from the seed's arrival stream (``profiler.arrivals.arrivals_s``: every rate
+  draws the same standard exponentials, so the rates of a sweep differ in rate only). With
+  neither given, the loads the trace recorded.
+- Requests: the trace's serving requests (``config.serve_requests``), or ``--requests N``
+  resampled with their prefix families (``simulator.schedule``).
+- Per (load, policy) a ``LoadResult``: p50/p90/p99 of TTFT, ITL (each request's mean after
+  its first token) and e2e, output tok/s over the load's span (first arrival to last
+  finish), goodput under an SLO (vLLM's ``benchmark_serving --goodput``: the requests that
+  met every stated bound, per second of that span; None without an SLO), and the share of
+  rounds that speculate by running batch size: of each step's decode and verify works (a
+  prefill chunk is no round), those with k > 0, counted against the step's number of
+  decode and verify works (the requests decoding together; a step that only prefills has
+  none and counts nowhere).
+- Per load, the best fixed policy (``rakv.choices``) by goodput, or by tok/s without an
+  SLO, is marked: what a policy that adapts must beat.
+
+Invariants: a result is a function of the trace, the settings, the batching limits, the
+loads, the requests and the seed (every load starts from an empty store and a fresh
+policy, as the recorder's fresh engine does); at the recorded settings, requests, limits
+and seed, a load's replay is ``serve_validate``'s free-running one.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass, replace
+from typing import Iterable
+
+from profiler.arrivals import parse_loads
+from profiler.schema import TraceError
+from profiler.serve_record import Load, loads_of
+from profiler.serve_summary import Percentiles, Slo, load_latencies, num_meeting_slo, parse_slo
+from rakv.choices import fixed_policy_names
+from rakv.scheduler import PREFILL
+from rakv.settings import DecisionInputs
+from simulator.serve_sim import LoadRun
+from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_table
+from simulator.step_costs import StepCosts
+from simulator.trace import Trace
+
+FIXED = frozenset(fixed_policy_names(True))
+
+
+@dataclass(frozen=True)
+class SpeculationAt:
+    """The rounds of steps with ``batch_size`` decode and verify works: how many, and how
+    many of them speculated (k > 0)."""
+
+    batch_size: int
+    num_rounds: int
+    num_speculating: int
+
+    @property
+    def share(self) -> float:
+        return self.num_speculating / self.num_rounds if self.num_rounds else 0.0
+
+
+def speculation_by_batch(steps: Iterable) -> tuple[SpeculationAt, ...]:
+    """``ReplayedStep``s (anything with a ``composition``) -> SpeculationAt per running
+    batch size, smallest first."""
+    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for step in steps:
+        c = step.composition
+        ks = [k for kind, k in zip(c.kinds, c.ks) if kind != PREFILL]
+        if ks:
+            entry = counts[len(ks)]
+            entry[0] += len(ks)
+            entry[1] += sum(k > 0 for k in ks)
+    return tuple(SpeculationAt(b, n, s) for b, (n, s) in sorted(counts.items()))
+
+
+def pool_speculation(parts: Iterable[Iterable[SpeculationAt]]) -> tuple[SpeculationAt, ...]:
+    """Several loads' SpeculationAt added up per batch size."""
+    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for part in parts:
+        for at in part:
+            counts[at.batch_size][0] += at.num_rounds
+            counts[at.batch_size][1] += at.num_speculating
+    return tuple(SpeculationAt(b, n, s) for b, (n, s) in sorted(counts.items()))
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One policy at one load, simulated; times in seconds from the load's start."""
+
+    load: str  # c=N or rate=R
+    policy: str
+    num_requests: int
+    num_steps: int
+    span_s: float  # first arrival to last finish
+    num_output_tokens: int
+    output_tok_per_s: float
+    ttft: Percentiles
+    itl: Percentiles  # of each request's mean inter-token latency after its first token
+    e2e: Percentiles
+    slo: str | None  # the SLO stated (``Slo.describe``), None: none
+    num_meeting_slo: int | None
+    goodput_per_s: float | None  # num_meeting_slo / span_s
+    share_speculating: float  # of every decode and verify work
+    speculation: tuple[SpeculationAt, ...]  # by running batch size
+    best_fixed: bool = False  # the best fixed policy at its load (``mark_best_fixed``)
+
+
+def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> LoadResult:
+    times = run.times()
+    stats = load_latencies(times)
+    speculation = speculation_by_batch(run.steps)
+    total = pool_speculation([speculation])
+    num_rounds = sum(at.num_rounds for at in total)
+    good = num_meeting_slo(times, slo) if slo is not None and slo.stated else None
+    return LoadResult(
+        load, policy, len(times), len(run.steps), stats.span_s, stats.num_output_tokens, stats.output_tok_per_s,
+        stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
+        None if good is None else (good / stats.span_s if stats.span_s > 0 else 0.0),
+        sum(at.num_speculating for at in total) / num_rounds if num_rounds else 0.0, speculation)
+
+
+def _score(result: LoadResult) -> tuple[float, ...]:
+    if result.goodput_per_s is None:
+        return (result.output_tok_per_s,)
+    return result.goodput_per_s, result.output_tok_per_s
+
+
+def mark_best_fixed(results: list[LoadResult]) -> list[LoadResult]:
+    """``results`` with, per load, the fixed policy of the highest goodput (then tok/s;
+    tok/s alone without an SLO) marked; the first listed wins a tie."""
+    best: dict[str, LoadResult] = {}
+    for r in results:
+        if r.policy in FIXED and (r.load not in best or _score(r) > _score(best[r.load])):
+            best[r.load] = r
+    return [replace(r, best_fixed=True) if best.get(r.load) is r else r for r in results]
+
+
+def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loads: list[Load],
+                 slo: Slo | None = None) -> list[LoadResult]:
+    """Every named policy at every load, in that order (load by load)."""
+    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, name, costs), slo)
+                            for load in loads for name in names])
+
+
+def has_serving_grid(trace: Trace) -> bool:
+    """Whether the trace can be replayed under load: batched forwards in its ops, or steps."""
+    if any(op.op == "batch" for op in trace.ops):
+        return True
+    try:
+        return bool(recorded_table(trace, "steps"))
+    except TraceError:
+        return False
+
+
+def loads_given(trace: Trace, concurrency: str | None, rates: str | None) -> list[Load]:
+    """``--concurrency`` and ``--arrival-rate`` (comma lists), else the loads the trace recorded."""
+    if concurrency is None and rates is None:
+        config = trace.meta.config
+        loads = loads_of(tuple(config.get("serve_concurrency") or ()), tuple(config.get("serve_rate") or ()))
+        if not loads:
+            raise ValueError(f"{trace.path}: the trace records no loads; give --concurrency or --arrival-rate")
+        return loads
+    return loads_of(parse_loads(concurrency, "--concurrency", True) if concurrency is not None else (),
+                    parse_loads(rates, "--arrival-rate", False) if rates is not None else ())
+
+
+def markdown(results: list[LoadResult], title: str) -> str:
+    with_slo = any(r.goodput_per_s is not None for r in results)
+    lines = [title, "",
+             "| load | policy | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 (s) | e2e p50 / p99 (s) | tok/s "
+             + ("| goodput (req/s) " if with_slo else "") + "| share speculating | by batch size |",
+             "|---|---|---|---|---|---" + ("|---" if with_slo else "") + "|---|---|"]
+    for r in results:
+        goodput = (f"| {r.goodput_per_s:.3f} ({r.num_meeting_slo} of {r.num_requests}) " if with_slo else "")
+        by_batch = " ".join(f"{at.batch_size}:{at.share:.2f}" for at in r.speculation) or "-"
+        lines.append(f"| {r.load} | {r.policy}{' *' if r.best_fixed else ''} "
+                     f"| {r.ttft.p50_s:.3f} / {r.ttft.p90_s:.3f} / {r.ttft.p99_s:.3f} "
+                     f"| {r.itl.p50_s:.4f} / {r.itl.p90_s:.4f} | {r.e2e.p50_s:.2f} / {r.e2e.p99_s:.2f} "
+                     f"| {r.output_tok_per_s:.2f} {goodput}| {r.share_speculating:.2f} | {by_batch} |")
+    lines.append("")
+    if any(r.best_fixed for r in results):
+        slo = next(r.slo for r in results if r.slo is not None) if with_slo else None
+        lines.append(f"* the best fixed policy at its load by {f'goodput ({slo})' if slo else 'output tok/s'}")
+    lines.append("share speculating: of the rounds (decode and verify works), those with k > 0; by batch size: "
+                 "the same by the number of rounds in their step")
+    return "\n".join(lines)
+
+
+def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], title: str) -> int:
+    """``simulator.replay``'s batched mode: ``names`` (checked, no oracle) at the loads
+    ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
+    try:
+        slo = parse_slo(args.slo) if args.slo is not None else None
+    except ValueError as exc:
+        raise ValueError(f"--slo: {exc}") from None
+    loads = loads_given(trace, args.concurrency, args.arrival_rate)
+    serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
+                            args.max_num_batched_tokens)
+    results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo)
+    if args.json:
+        for r in results:
+            print(json.dumps(asdict(r)))
+    else:
+        batch = serving.batch
+        print(markdown(results, f"{title}\n{len(serving.requests)} requests, up to {serving.max_new} new tokens "
+                                f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
+                                f"{batch.max_num_batched_tokens}; steps priced from the serving grid"))
+    if args.plot is not None:
+        from simulator.plots import write_load_plots
+        for path in write_load_plots(args.plot, results, trace.path.name):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

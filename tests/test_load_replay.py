@@ -1,0 +1,136 @@
+"""simulator.load_replay through ``python -m simulator.replay`` on a serving trace: the
+policies at each load through the batching engine's replay. A recorded load replayed at the
+recorded settings is serve_validate's free-running replay; a rate sweep is seeded; goodput
+counts the requests meeting every bound over the load's span; the share speculating counts
+rounds by the number decoding beside them; bad input is one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from profiler.serve_summary import Slo, parse_slo
+from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
+from simulator import serve_validate
+from simulator.load_replay import LoadResult, mark_best_fixed, speculation_by_batch, summarize_load
+from simulator.replay import main as replay_main
+from simulator.serve_sim import LoadRun, TimedRequest
+from simulator.trace import load_trace
+
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+SERVING = TRACES / "smollm2-humaneval-serve"  # recorded at c=1,2,4,8 and rate=2, under ar and rakv
+
+
+def rows_of(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_the_recorded_loads_replay_as_serve_validate_does(capsys):
+    """At the recorded settings, requests, limits and seed, every recorded load (closed and
+    open) gives the free-running latencies of serve_validate, which overheads are fitted on
+    the same steps (``fit_serving_costs``)."""
+    assert replay_main(["--trace", str(SERVING), "--as-recorded", "--policy", "ar,rakv", "--json"]) == 0
+    got = {(r["load"], r["policy"]): r for r in rows_of(capsys)}
+    expected = serve_validate.validate_serving(load_trace(SERVING))
+    assert set(got) == {(row.load, row.policy) for row in expected} and any(k[0] == "rate=2" for k in got)
+    for row in expected:
+        mine, sim = got[row.load, row.policy], row.simulated
+        for metric in ("ttft", "itl", "e2e"):
+            assert (mine[metric]["p50_s"], mine[metric]["p90_s"]) == getattr(sim, f"{metric}_s"), (row.load, metric)
+        assert mine["output_tok_per_s"] == sim.output_tok_per_s
+        assert mine["num_requests"] == 16 and mine["goodput_per_s"] is None
+
+
+def test_a_rate_sweep_is_seeded(capsys):
+    argv = ["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "1,4", "--requests", "40", "--json"]
+    assert replay_main(argv + ["--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert replay_main(argv + ["--seed", "3"]) == 0
+    assert capsys.readouterr().out == first
+    assert replay_main(argv + ["--seed", "4"]) == 0
+    other = capsys.readouterr().out
+    assert other != first
+    rows = [json.loads(line) for line in first.splitlines()]
+    assert [(r["load"], r["policy"]) for r in rows] == [("rate=1", "ar"), ("rate=1", "rakv"), ("rate=4", "ar"),
+                                                        ("rate=4", "rakv")]
+    assert all(r["num_requests"] == 40 for r in rows)
+    by = {(r["load"], r["policy"]): r for r in rows}
+    assert by["rate=4", "ar"]["ttft"]["p90_s"] >= by["rate=1", "ar"]["ttft"]["p90_s"]  # more load, more queueing
+
+
+def test_goodput_counts_the_requests_meeting_every_bound_over_the_span():
+    requests = [TimedRequest(0, 0.0, 0.5, 2.5, 5),  # TTFT 0.5, ITL 0.5, e2e 2.5
+                TimedRequest(1, 1.0, 3.0, 4.0, 3),  # TTFT 2.0: too slow
+                TimedRequest(2, 2.0, 2.2, 6.2, 3),  # ITL 2.0: too slow
+                TimedRequest(3, 3.0, 3.5, 3.5, 1)]  # one token: no ITL to exceed
+    steps = [type("Step", (), {"composition": c})() for c in (
+        Composition((0, 1, 2), (DECODE, VERIFY, PREFILL), (1, 5, 30), (10, 20, 0), ("", "ngram", ""), (0, 4, 0)),
+        Composition((1,), (VERIFY,), (3,), (40,), ("draft",), (2,)),
+        Composition((3,), (PREFILL,), (12,), (0,), ("",), (0,)))]
+    run = LoadRun(steps, requests)
+    result = summarize_load("c=2", "ar", run, parse_slo("ttft=1,itl=1"))
+    assert (result.num_meeting_slo, result.span_s) == (2, pytest.approx(6.2))
+    assert result.goodput_per_s == pytest.approx(2 / 6.2) and result.slo == "ttft<=1s, itl<=1s"
+    assert summarize_load("c=2", "ar", run, parse_slo("ttft=1,itl=1,e2e=2")).num_meeting_slo == 1
+    assert summarize_load("c=2", "ar", run, None).goodput_per_s is None
+    assert summarize_load("c=2", "ar", run, Slo()).goodput_per_s is None  # nothing stated: no goodput
+    assert result.output_tok_per_s == pytest.approx(12 / 6.2) and result.ttft.p50_s == pytest.approx(0.5)
+    # rounds by the decode and verify works beside them; a prefill chunk is no round
+    assert [(a.batch_size, a.num_rounds, a.num_speculating) for a in speculation_by_batch(steps)] == [(1, 1, 1),
+                                                                                                    (2, 2, 1)]
+    assert result.share_speculating == pytest.approx(2 / 3)
+
+
+def test_the_best_fixed_policy_is_marked_per_load():
+    base = summarize_load("c=1", "ar", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)]), None)
+    results = [base, LoadResult(**{**base.__dict__, "policy": "spec-k4", "output_tok_per_s": 2.0}),
+               LoadResult(**{**base.__dict__, "policy": "rakv", "output_tok_per_s": 9.0}),
+               LoadResult(**{**base.__dict__, "load": "c=2"})]
+    marked = mark_best_fixed(results)
+    assert [(r.load, r.policy) for r in marked if r.best_fixed] == [("c=1", "spec-k4"), ("c=2", "ar")]
+
+
+def test_policy_all_under_load_leaves_the_oracles_out(capsys):
+    assert replay_main(["--trace", str(SERVING), "--policy", "all", "--concurrency", "2", "--json"]) == 0
+    policies = [r["policy"] for r in rows_of(capsys)]
+    assert "rakv" in policies and "learned" in policies and "ar" in policies
+    assert not {"oracle", "round-oracle"} & set(policies)
+
+
+@pytest.mark.parametrize("trace, argv, message", [
+    (SERVING, ["--policy", "ar,oracle", "--concurrency", "1"], "oracle replays at batch 1 only"),
+    (SERVING, ["--policy", "round-oracle"], "round-oracle replays at batch 1 only"),
+    (SERVING, ["--slo", "ttft=x"], "--slo: ttft: 'x' is not a number"),
+    (SERVING, ["--slo", "tpot=1"], "got 'tpot=1'"),
+    (SERVING, ["--concurrency", "2,zero"], "--concurrency: 'zero' is not a number"),
+    (SERVING, ["--arrival-rate", "-1"], "--arrival-rate: '-1' must be > 0"),
+    (SERVING, ["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (SERVING, ["--timing", str(SERVING)], "--timing is for batch-1 replays"),
+    (TRACES / "smollm2-chat", ["--concurrency", "1,2"], "--concurrency needs a serving trace"),
+    (TRACES / "smollm2-chat", ["--slo", "ttft=1"], "--slo needs a serving trace"),
+    (TRACES / "smollm2-chat", ["--arrival-rate", "1,2"], "a sweep of --arrival-rate values needs a serving trace"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, trace, argv, message):
+    assert replay_main(["--trace", str(trace)] + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    if "needs a serving trace" in message:
+        assert "--grid serving" in err
+
+
+def test_slo_parse_errors_name_the_bad_part():
+    assert parse_slo("ttft=2, itl=0.3") == Slo(ttft_s=2.0, itl_s=0.3)
+    for bad, part in (("ttft=2,e2e=oops", "'oops'"), ("ttft", "'ttft'"), ("itl=0", "'0'"), ("p99=1", "'p99=1'")):
+        with pytest.raises(ValueError, match=part) as caught:
+            parse_slo(bad)
+        assert "\n" not in str(caught.value)
+
+
+def test_the_plots_are_written(tmp_path, capsys):
+    assert replay_main(["--trace", str(SERVING), "--policy", "ar,rakv", "--concurrency", "1,4", "--arrival-rate", "2",
+                        "--slo", "ttft=0.5", "--plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput (req/s)" in out and all(f"| {load} | ar * |" in out for load in ("c=1", "c=4", "rate=2"))
+    for name in ("latency_vs_load.png", "speculation_vs_batch.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
