@@ -275,6 +275,7 @@ class AdaptiveRounds:
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
+        self._load_memo: dict[StepLoad, tuple] = {}  # _prices under each load seen: a request meets the same ones
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
         # Per drafter, the acceptance at or below which none of its rounds can beat that
         # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
@@ -332,8 +333,12 @@ class AdaptiveRounds:
         costs = self._round_costs
         if load is None or not load.num_others or costs is None:
             return 0.0, self._plain_rate, self.costs_s
-        prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
-        return prices.offset, (prices.offset + 1.0 + self.config.min_gain) / prices.base_s, prices.costs_s
+        priced = self._load_memo.get(load)
+        if priced is None:
+            prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
+            priced = self._load_memo[load] = (prices.offset, (prices.offset + 1.0 + self.config.min_gain)
+                                              / prices.base_s, prices.costs_s)
+        return priced
 
     def _priced(self, drafter: str, signal: int, a: float | None = None,
                 costs_s: Sequence[float] | None = None) -> tuple[list[float], Sequence[float]]:
