@@ -11,7 +11,8 @@
 # acceptance traces (--skip ops runs) hold no timing and name the -runs trace that does, so
 # they need no quiet machine and each recording fits in a working session. The -serve
 # traces hold the batching engine serving 16 requests at 1, 2, 4 and 8 in flight (and a
-# Poisson rate) under ar and rakv, and the op grid over batch shapes. Each finished
+# Poisson rate) under ar and rakv (the Qwen ones also under the fixed policy of the drafter
+# that pays there at batch 1, for the crossover), and the op grid over batch shapes. Each finished
 # recording's command, wall time, size, load average and noise guards' account (runs timed
 # again, waits for a slow machine) are appended to traces/RECORDINGS.md.
 set -euo pipefail
@@ -35,8 +36,8 @@ TRACES=(
   "qwen-coder-sharegpt|--pair qwen-coder --workload sharegpt --requests 100 --max-new-tokens 64 --skip ops runs --timing-trace qwen-coder-humaneval-runs"
   "smollm2-humaneval-serve|--pair smollm2 --workload humaneval --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
   "smollm2-chat-serve|--pair smollm2 --workload chat --requests 16 --max-new-tokens 32 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 2"
-  "qwen-coder-humaneval-serve|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8"
-  "qwen-coder-chat-serve|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8"
+  "qwen-coder-humaneval-serve|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies ar,spec-k2,rakv"
+  "qwen-coder-chat-serve|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,ngram-k2,rakv"
 )
 
 if [ "${1:-}" = "--list" ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
