@@ -125,7 +125,7 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     num_preemptions: int = 0
-    _step_rows: dict = field(default_factory=dict)  # id(seq) -> rows planned in the step being planned
+    _step_rows: dict = field(default_factory=dict)  # seq -> rows planned in the step being planned
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -188,7 +188,7 @@ class Scheduler:
         return works
 
     def _planned(self, work: Work) -> Work:
-        self._step_rows[id(work.seq)] = work.rows
+        self._step_rows[work.seq] = work.rows
         return work
 
     def _chunk(self, seq: Seq, budget: int) -> Work | None:
@@ -200,8 +200,8 @@ class Scheduler:
     def reserved_bytes(self, excluding: Seq | None = None) -> int:
         """What the running requests hold (their caches' positions) and the rows planned
         for them this step take."""
-        rows = self._step_rows
-        return sum(s.bytes_per_position * (s.num_computed + rows.get(id(s), 0)) for s in self.running
+        rows = self._step_rows  # a Seq hashes by identity (eq=False)
+        return sum(s.bytes_per_position * (s.num_computed + rows.get(s, 0)) for s in self.running
                    if s is not excluding)
 
     def _free_bytes(self, seq: Seq | None) -> int:
@@ -219,12 +219,15 @@ class Scheduler:
     def _rows_for(self, seq: Seq, max_rows: int) -> int:
         """Rows ``seq`` may take this step, at most ``max_rows``, preempting the newest
         running requests until one row fits; 0 where ``seq`` itself was preempted."""
-        while not self._fits(seq, 1):
+        need = seq.bytes_per_position * (seq.num_computed + 1)
+        while (free := self._free_bytes(seq)) < need:  # as ``_fits(seq, 1)``, keeping what is free
+            if self.evict_store():
+                continue
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return 0
-        fit = self._free_bytes(seq) // max(seq.bytes_per_position, 1) - seq.num_computed
+        fit = free // max(seq.bytes_per_position, 1) - seq.num_computed
         return max(1, min(max_rows, fit))
 
     def _preempt(self, seq: Seq) -> None:

@@ -39,12 +39,15 @@ class ReplayedStep:
     exact, else the count they are exact up to: a draft-model round stopped on confidence
     past its first wrong token, where the trace knows only that it proposed at least
     accepted + 2 (``ReplayedRound.proposed_exact``); the requests that got their first
-    token in it, and those it finished (with their output tokens)."""
+    token in it, and those it finished (with their output tokens); per work, the rows its
+    draft model's cache lacked before a draft-model round (what the round's first draft
+    forward feeds: ``step_costs.draft_rounds``), else 0."""
 
     composition: Composition
     row_cuts: tuple[int | None, ...]
     first_tokens: tuple[int, ...]
     finished: tuple[tuple[int, int], ...]  # (request id, output tokens)
+    draft_rows: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -104,6 +107,7 @@ class BatchReplay:
         the engine finishes them)."""
         self._first_tokens = []
         works = self.scheduler.schedule()
+        draft_rows = tuple(self._draft_behind(w) for w in works)
         for work in works:  # the engine proposes every round before the step's forward
             if work.kind == VERIFY:
                 self._propose(work)
@@ -119,7 +123,15 @@ class BatchReplay:
             if live.moves is not None and seq.t >= live.moves.end:
                 self._finish(live)
                 finished.append((seq.request_id, seq.t))
-        return ReplayedStep(composition, cuts, tuple(self._first_tokens), tuple(finished))
+        return ReplayedStep(composition, cuts, tuple(self._first_tokens), tuple(finished), draft_rows)
+
+    def _draft_behind(self, work: Work) -> int:
+        """The positions a draft-model round's first draft forward catches up (the walk's
+        account; after a preemption the engine's draft cache restarts empty, which this
+        does not see)."""
+        if work.kind != VERIFY or work.drafter != DRAFT_MODEL:
+            return 0
+        return work.seq.num_tokens - self._live[work.seq.request_id].draft_seen
 
     def _row_cut(self, work: Work) -> int | None:
         if work.kind != VERIFY:

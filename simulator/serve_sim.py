@@ -76,7 +76,7 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
         step = replay.step()
         steps.append(step)
         if costs is not None:
-            clock += costs.seconds(step.composition)
+            clock += costs.seconds(step.composition, step.draft_rows)
         for request_id in step.first_tokens:
             first[request_id] = clock
         for request_id, num_output in step.finished:

@@ -96,19 +96,32 @@ class LoadFidelity:
     simulated_out: Latencies  # free-running, overheads fitted on the other loads
 
 
-def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None) -> StepCosts:
+def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None,
+                      draft_rows: dict | None = None) -> StepCosts:
     """Step costs from the trace's op grid, the overheads fitted on its closed loops'
     recorded steps (``steps``: ``recorded_table(trace, "steps")``, read here when None),
-    all of them or all but load ``leave_out``'s. A trace with the serving grid but no
-    closed-loop steps: the grid alone, no overhead."""
+    all of them or all but load ``leave_out``'s, each with its draft catch-up rows
+    (``draft_rows``: ``replayed_draft_rows``, replayed here when None). A trace with the
+    serving grid but no closed-loop steps: the grid alone, no overhead."""
     if steps is None:
         try:
             steps = recorded_table(trace, "steps")
         except TraceError:
             steps = {}
     keys = [key for key in steps if key[0].startswith("c=") and key[0] != leave_out]
+    if draft_rows is None:
+        draft_rows = replayed_draft_rows(trace, keys)
     return fit_step_costs(trace.ops, [Composition.of(row) for key in keys for row in steps[key]],
-                          [row.seconds for key in keys for row in steps[key]])
+                          [row.seconds for key in keys for row in steps[key]],
+                          [rows for key in keys for rows in draft_rows[key]])
+
+
+def replayed_draft_rows(trace: Trace, keys) -> dict[tuple[str, str], list[tuple[int, ...]]]:
+    """Per closed-loop (load, policy), each step's draft catch-up rows, which a recorded
+    step does not hold: its replay's (``ReplayedStep.draft_rows``; the replay reproduces
+    the recorded steps, ``compare_steps``)."""
+    serving = ServingReplay(trace)
+    return {key: [step.draft_rows for step in serving.replay(*key, None).steps] for key in keys}
 
 
 class ServingReplay:
@@ -160,9 +173,10 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
     loads = ServingReplay(trace)
     closed = [key for key in steps if key[0].startswith("c=")]
     compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
-    everything = fit_serving_costs(trace, steps)
+    draft_rows = replayed_draft_rows(trace, closed)
+    everything = fit_serving_costs(trace, steps, draft_rows=draft_rows)
     load_names = sorted({load for load, _ in closed})
-    leave_out = {load: fit_serving_costs(trace, steps, leave_out=load) if len(load_names) > 1 else everything
+    leave_out = {load: fit_serving_costs(trace, steps, load, draft_rows) if len(load_names) > 1 else everything
                  for load in load_names}
     results = []
     for (load, policy), rows in steps.items():
@@ -170,7 +184,8 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
         run = loads.replay(load, policy, everything)
         run_out = loads.replay(load, policy, leave_out.get(load, everything))
         check = compare_steps(rows, run.steps) if (load, policy) in closed else None
-        errors = step_errors(everything, compositions[load, policy], rows) if check is not None else None
+        errors = (step_errors(everything, compositions[load, policy], rows, draft_rows[load, policy])
+                  if check is not None else None)
         results.append(LoadFidelity(load, policy, check, errors, recorded, _summary(run), _summary(run_out)))
     return results
 

@@ -13,10 +13,13 @@ over b works: ``rows`` a curve over the total rows through the op grid's one-req
 points at its smallest context (``1 x r`` batched points, and prefills of n tokens on an
 empty cache where no batched point has n rows), ``per_request`` the median, over the
 batched points of b > 1 requests, of what each further request adds to ``rows`` of their
-total (its attention, rotary and cache calls), ``per_position`` the median of what the grid's largest context adds per row and
-cached position. The draft model's proposals are its own forwards, priced alike by the
-draft's points: the j-th over one row of each request whose proposal is longer than j
-(a round's proposal is its verification's rows less one). What the points do not see
+total (its attention, rotary and cache calls), ``per_position`` the median of what the
+grid's largest context adds per row and cached position. The draft model's proposals are
+its own forwards, priced alike by the draft's points: the first over each drafting
+request's rows its draft cache lacks (its catch-up: the tokens since its last round, the
+whole prompt at its first; one row where not given), the j-th after it over one row of
+each request whose proposal is longer than j (a round's proposal is its verification's
+rows less one). What the points do not see
 (Python per step and per work) is ``StepOverhead``, a + b per work, fitted on recorded
 steps by least relative error, never negative.
 """
@@ -88,11 +91,14 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
     return ForwardCosts(rows, max(median(added), 0.0) if added else 0.0, per_position)
 
 
-def draft_rounds(composition) -> list[tuple[int, int]]:
-    """The step's draft-model rounds: (tokens proposed, the request's cached positions) each;
-    a round feeds the target its last token and the proposal."""
-    return [(rows - 1, cached) for kind, drafter, rows, cached in zip(composition.kinds, composition.drafters,
-                                                                      composition.rows, composition.num_cached)
+def draft_rounds(composition, draft_rows: Sequence[int] = ()) -> list[tuple[int, int, int]]:
+    """The step's draft-model rounds: (tokens proposed, the request's cached positions, the
+    rows of its first draft forward) each; a round feeds the target its last token and the
+    proposal. ``draft_rows``: per work, the rows its draft cache lacks (``ReplayedStep``);
+    empty: one each."""
+    return [(rows - 1, cached, draft_rows[i] if draft_rows else 1)
+            for i, (kind, drafter, rows, cached) in enumerate(zip(composition.kinds, composition.drafters,
+                                                                  composition.rows, composition.num_cached))
             if kind == VERIFY and drafter == DRAFT_MODEL]
 
 
@@ -111,28 +117,33 @@ class StepCosts:
     def forward_s(self, composition) -> float:
         return self.target.seconds(list(zip(composition.rows, composition.num_cached)))
 
-    def propose_s(self, composition) -> float:
+    def propose_s(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
-        rounds = draft_rounds(composition)
+        rounds = draft_rounds(composition, draft_rows)
         if not rounds or self.draft is None:
             return 0.0
-        return sum(self.draft.seconds([(1, c + j) for proposed, c in rounds if proposed > j])
-                   for j in range(max(p for p, _ in rounds)))
+        first = self.draft.seconds([(behind, c) for _, c, behind in rounds])
+        return first + sum(self.draft.seconds([(1, c + j) for proposed, c, _ in rounds if proposed > j])
+                           for j in range(1, max(p for p, _, _ in rounds)))
 
-    def seconds(self, composition) -> float:
-        return (self.forward_s(composition) + self.propose_s(composition) + self.overhead.per_step_s
+    def seconds(self, composition, draft_rows: Sequence[int] = ()) -> float:
+        """A step's seconds; ``draft_rows`` as ``draft_rounds`` takes them."""
+        return (self.forward_s(composition) + self.propose_s(composition, draft_rows) + self.overhead.per_step_s
                 + self.overhead.per_work_s * len(composition.rows))
 
 
-def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float]) -> StepCosts:
+def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float],
+                   draft_rows: Sequence[Sequence[int]] = ()) -> StepCosts:
     """The op grid's forwards, and the overheads that bring them to the recorded
-    ``seconds`` of ``compositions`` (each step's whole time)."""
+    ``seconds`` of ``compositions`` (each step's whole time; ``draft_rows`` per step as
+    ``draft_rounds`` takes them, or none)."""
     import numpy as np
     draft = fit_forward(ops, DRAFT_MODEL) if any(r.model == DRAFT_MODEL and r.op == "batch" for r in ops) else None
     costs = StepCosts(fit_forward(ops, "target"), draft)
     if not compositions:
         return costs
-    modelled = np.array([costs.seconds(c) for c in compositions])
+    behind = list(draft_rows) or [()] * len(compositions)
+    modelled = np.array([costs.seconds(c, b) for c, b in zip(compositions, behind)])
     target = np.array(seconds, dtype=float)
     design = np.array([[1.0, len(c.rows)] for c in compositions])
     fixed, per_work = least_relative_error(design, target - modelled, target)
@@ -151,13 +162,17 @@ class StepErrors:
     total_error: float  # (modelled - recorded) / recorded, all steps' seconds summed
 
 
-def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence) -> StepErrors:
-    """``costs`` against recorded steps (``profiler.schema.StepRow``) of the same compositions."""
+def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence,
+                draft_rows: Sequence[Sequence[int]] = ()) -> StepErrors:
+    """``costs`` against recorded steps (``profiler.schema.StepRow``) of the same
+    compositions (``draft_rows`` per step, or none)."""
     def mape(pairs):
         pairs = [(m, r) for m, r in pairs if r > 0]
         return 100.0 * sum(abs(m - r) / r for m, r in pairs) / len(pairs) if pairs else None
-    modelled = [costs.seconds(c) for c in compositions]
-    drafting = [(costs.propose_s(c), r.propose_s) for c, r in zip(compositions, rows) if draft_rounds(c)]
+    behind = list(draft_rows) or [()] * len(compositions)
+    modelled = [costs.seconds(c, b) for c, b in zip(compositions, behind)]
+    drafting = [(costs.propose_s(c, b), r.propose_s) for c, b, r in zip(compositions, behind, rows)
+                if draft_rounds(c)]
     return StepErrors(len(rows), mape(zip(modelled, (r.seconds for r in rows))),
                       mape((costs.forward_s(c), r.forward_s) for c, r in zip(compositions, rows)),
                       mape(drafting), 100.0 * (sum(modelled) / sum(r.seconds for r in rows) - 1.0))

@@ -78,6 +78,21 @@ def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
     assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
 
 
+def test_a_draft_round_first_catches_its_draft_cache_up():
+    """The first draft forward of a step feeds each drafting request the rows its draft
+    cache lacks (the replay's ``draft_rows``); the later ones one row each."""
+    from rakv.scheduler import Composition
+    ops = [OpRow(model, "batch", r, 128, 0, 0, i, 0.05 + 0.001 * r * b, num_requests=b)
+           for model in ("target", "draft") for b in (1, 2) for r in (1, 2, 5) for i in range(3)]
+    ops += [OpRow("draft", "prefill", n, 0, 0, 0, 0, 0.05 + 0.001 * n) for n in (16, 64)]
+    costs = fit_step_costs(ops, [], [])
+    step = Composition((0, 1), ("verify", "decode"), (4, 1), (128, 128), ("draft", ""), (3, 0))
+    one_row = costs.propose_s(step)  # three forwards of one row
+    assert one_row == pytest.approx(3 * costs.draft.rows(1))
+    assert costs.propose_s(step, (40, 0)) == pytest.approx(costs.draft.rows(40) + 2 * costs.draft.rows(1))
+    assert costs.seconds(step, (40, 0)) - costs.seconds(step) == pytest.approx(costs.draft.rows(40) - costs.draft.rows(1))
+
+
 def test_a_load_runs_on_the_modelled_clock(recorded):
     """Each request's first token and finish fall at the end of the step that made them, on
     a clock that moves by each step's modelled seconds; an open loop idles to its arrivals."""
@@ -87,7 +102,7 @@ def test_a_load_runs_on_the_modelled_clock(recorded):
     run = loads.replay("c=2", "ar", costs)
     ends, clock = [], 0.0
     for step in run.steps:
-        clock += costs.seconds(step.composition)
+        clock += costs.seconds(step.composition, step.draft_rows)
         ends.append(clock)
     assert len(run.requests) == 6 and sorted(r.index for r in run.requests) == list(range(6))
     assert all(r.arrival_s <= r.first_token_s <= r.finish_s and r.finish_s in ends for r in run.requests)
