@@ -256,7 +256,7 @@ class BatchEngine(Engine):
         start = time.perf_counter()
         req = self._requests[seq.request_id]
         req.admitted_s = start
-        req.decision = decision = self.decide(req.prompt, seq.max_new_tokens, req.policy)
+        req.decision = decision = self.decide(req.prompt, seq.max_new_tokens, req.policy, len(self.scheduler.running))
         req.draft_seen = decision.draft_reused or 0
         req.drafters = self._drafters(decision.planner.drafters, decision.draft_match, req.draft_seen)
         reused = decision.reuse.reused_tokens

@@ -19,11 +19,13 @@ from typing import Protocol
 
 from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, fixed_action,
                           priced_actions, readied_drafters, usable_drafters)
-from rakv.cost_model import Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context
+from rakv.cost_model import (Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context,
+                             progress_by_k)
 from rakv.drafters import DRAFT_MODEL
 from rakv.prefix_index import as_token_array
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
+from rakv.step_load import StepLoad, load_prices
 
 RoundPlanner = FixedRounds | AdaptiveRounds
 
@@ -80,6 +82,11 @@ class ControllerConfig:
     # next request copies (without this rule, replaying Qwen on code readied the draft on 3
     # of 100 requests).
     ready_draft_over_plain: bool = True
+    # Admitted into a batch where no round of the draft model would pay (``rakv.step_load``'s
+    # prices at the running requests, the policy's acceptance), a request does not ready it:
+    # readied, its first round would prefill the draft over the whole prompt, and its memory
+    # is reserved for nothing. Off: readied as at batch 1, as engines before it did.
+    ready_under_load: bool = field(default=True, metadata={"before": False})
 
 
 @dataclass
@@ -103,6 +110,8 @@ class CostModelPolicy:
 
     def decide(self, features: RequestFeatures) -> Action:
         priced = self.priced(features)
+        if self._draft_idle(features):  # readied, the draft would cost its prompt and memory and never draft
+            return min(p for p in priced if not (p[3].k and p[3].drafter == DRAFT_MODEL))[3]
         best = min(priced)  # rank's first, without sorting the rest
         probing = self._probing()
         if (best[3].drafter == DRAFT_MODEL and best[3].k) or not (probing or self.config.ready_draft_over_plain):
@@ -162,6 +171,20 @@ class CostModelPolicy:
             config = replace(config, max_k=max(max_k, 1))
         drafters = ready if max_k else ()
         return drafters, config, self.round_costs_at(drafters, config.max_k, decode_context(features))
+
+    def _draft_idle(self, features: RequestFeatures) -> bool:
+        """Whether, admitted beside ``features.num_running`` decoding requests, no round of
+        the draft model would pay at the policy's running acceptance (``rakv.step_load``'s
+        prices, as the round planner would see the step: the others one row each).
+        Batch 1, or with ``ControllerConfig.ready_under_load`` off: never."""
+        n = features.num_running
+        if not (n and self.config.ready_under_load and self.config.rounds.load_aware) or DRAFT_MODEL not in self.drafters:
+            return False
+        max_k = self.config.rounds.max_k
+        prices = load_prices(StepLoad(n, n), self.timings, (DRAFT_MODEL,), max_k, decode_context(features))
+        plain_rate = (n + 1 + self.config.rounds.min_gain) / prices.base_s
+        progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), prices.costs_s[DRAFT_MODEL]
+        return all((n + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""
@@ -234,23 +257,25 @@ class Decision:
 
 
 def request_features(store, namespaces: tuple[str | None, str | None], prompt,
-                     max_new: int) -> tuple[RequestFeatures, object, object]:
+                     max_new: int, num_running: int = 0) -> tuple[RequestFeatures, object, object]:
     """What the policy sees of a request, and the matches it is based on (nothing touched):
     ``store`` a ``rakv.store_model.StoreModel``, ``namespaces`` the target's and the draft's
-    (None: no draft model), ``prompt`` its token ids."""
+    (None: no draft model), ``prompt`` its token ids, ``num_running`` the requests running
+    beside it."""
     tokens = as_token_array(prompt)  # converted once for both lookups
     match, draft_match = store.match(namespaces[0], tokens), store.match(namespaces[1], tokens)
-    return RequestFeatures.of(match, draft_match, max_new, tokens), match, draft_match
+    return RequestFeatures.of(match, draft_match, max_new, tokens, num_running), match, draft_match
 
 
 def start_request(store, namespaces: tuple[str | None, str | None], prompt, max_new: int, policy: Policy,
-                  missing_draft: Exception | None = None) -> Decision:
+                  missing_draft: Exception | None = None, num_running: int = 0) -> Decision:
     """A request's start, as the engine makes it (``Engine.decide``) and the batched replay
     replays it (``simulator.batch_replay``): its lookups (``request_features``), its policy's
     action and round planner, then its reuse taken from the store. ``missing_draft``: what to
     raise, before the store is touched, where the planner readies a draft model the pair
-    lacks (None: the pair has one)."""
-    features, match, draft_match = request_features(store, namespaces, prompt, max_new)
+    lacks (None: the pair has one); ``num_running``: the requests running beside it (the
+    batching scheduler's, at its admission)."""
+    features, match, draft_match = request_features(store, namespaces, prompt, max_new, num_running)
     action = policy.decide(features)
     planner = policy.planner(features, action)
     draft_ready = DRAFT_MODEL in planner.drafters

@@ -149,14 +149,15 @@ class RequestFeatures:
     exact_repeat: bool  # the whole prompt and its logits are stored
     acceptance: float = 0.0  # the controller's running estimate for the drafter
     prompt_ids: np.ndarray | None = field(default=None, compare=False, repr=False)  # [n] int64, for prompt-side features
+    num_running: int = 0  # requests running beside it when it is admitted (0: batch 1)
 
     @classmethod
-    def of(cls, target_match, draft_match, num_new_tokens: int, prompt_ids: np.ndarray | None = None
-           ) -> "RequestFeatures":
+    def of(cls, target_match, draft_match, num_new_tokens: int, prompt_ids: np.ndarray | None = None,
+           num_running: int = 0) -> "RequestFeatures":
         """From the store's ``PrefixMatch`` of the prompt for the target and the draft."""
         return cls(num_prompt_tokens=target_match.num_prompt_tokens, num_new_tokens=num_new_tokens,
                    target_hit_tokens=target_match.hit_tokens, draft_hit_tokens=draft_match.hit_tokens,
-                   exact_repeat=target_match.exact_repeat, prompt_ids=prompt_ids)
+                   exact_repeat=target_match.exact_repeat, prompt_ids=prompt_ids, num_running=num_running)
 
 
 def action_bytes(action: Action, features: RequestFeatures, timings: PairTimings) -> int:

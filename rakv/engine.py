@@ -115,11 +115,12 @@ class Engine:
         self.policy.observe(RequestOutcome(decision.action, decision.planner.counts()))
         return result
 
-    def decide(self, prompt: list[int], max_new: int, policy: Policy) -> Decision:
-        """The request's lookups, its policy's decision, and its reuse taken from the store."""
+    def decide(self, prompt: list[int], max_new: int, policy: Policy, num_running: int = 0) -> Decision:
+        """The request's lookups, its policy's decision, and its reuse taken from the store
+        (``num_running``: the requests running beside it)."""
         missing = None if self.pair.draft is not None else RequestError(
             f"policy {policy.name!r} needs a draft model; pair {self.pair.name!r} has none")
-        return start_request(self.store.model, self._namespaces, prompt, max_new, policy, missing)
+        return start_request(self.store.model, self._namespaces, prompt, max_new, policy, missing, num_running)
 
     def features(self, prompt: list[int], max_new: int) -> tuple[RequestFeatures, PrefixMatch, PrefixMatch]:
         """What the policy sees, and the store matches it is based on (not yet touched)."""

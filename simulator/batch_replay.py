@@ -179,7 +179,8 @@ class BatchReplay:
         missing = None if self.inputs.draft_sizes is not None else SessionError(
             f"policy {self.policy.name!r} needs a draft model; the trace's pair has none")
         decision = start_request(self.store, (self.target_namespace, self.draft_namespace),
-                                 live.recorded.token_ids[:seq.num_prompt], seq.max_new_tokens, self.policy, missing)
+                                 live.recorded.token_ids[:seq.num_prompt], seq.max_new_tokens, self.policy, missing,
+                                 len(self.scheduler.running))
         live.action, live.planner = decision.action, decision.planner
         live.reused, live.draft_reused = decision.reuse.reused_tokens, decision.draft_reused
         live.draft_seen = live.draft_reused or 0

@@ -1,7 +1,7 @@
 """Load-aware round prices (``rakv.step_load``): alone they are the batch-1 prices bit for
 bit; under load a round pays only while its rows are worth the others' time; the
-scheduler shows each round the rest of its step; settings written before the switch
-replay as they ran."""
+scheduler shows each round the rest of its step; a request admitted where the draft
+cannot pay does not ready it; settings written before the switches replay as they ran."""
 from __future__ import annotations
 
 from collections import deque
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rakv.controller import ControllerConfig
+from rakv.controller import ControllerConfig, CostModelPolicy
+from rakv.cost_model import RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, round_costs
 from rakv.scheduler import VERIFY, BatchConfig, Scheduler, Seq
@@ -87,9 +88,22 @@ def test_the_scheduler_shows_each_round_the_rest_of_its_step():
     assert scheduler.waiting == deque()
 
 
+def test_a_request_admitted_where_the_draft_cannot_pay_does_not_ready_it(timings):
+    """Readied, the draft would prefill the prompt at its first round and hold memory, and
+    under this load no round of it pays: the controller takes the best action without it."""
+    sure = replace(timings, acceptance_prior=0.97)
+    features = RequestFeatures(300, 48, 0, 0, False)
+    alone = CostModelPolicy(sure).decide(features)
+    assert alone.drafter == DRAFT_MODEL and alone.k > 0
+    crowded = CostModelPolicy(sure).decide(replace(features, num_running=7))
+    assert not (crowded.drafter == DRAFT_MODEL and crowded.k > 0)
+    as_before = CostModelPolicy(sure, ControllerConfig(ready_under_load=False))
+    assert as_before.decide(replace(features, num_running=7)) == alone
+
+
 def test_settings_written_before_load_aware_pricing_replay_without_it():
     written = settings_to_json(ControllerConfig())
-    del written["rounds"]["load_aware"]
+    del written["rounds"]["load_aware"], written["ready_under_load"]
     assert settings_from_json(ControllerConfig, written) == replace(
-        ControllerConfig(), rounds=replace(PlannerConfig(), load_aware=False))
-    assert ControllerConfig().rounds.load_aware
+        ControllerConfig(ready_under_load=False), rounds=replace(PlannerConfig(), load_aware=False))
+    assert ControllerConfig().rounds.load_aware and ControllerConfig().ready_under_load
