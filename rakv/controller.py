@@ -178,13 +178,15 @@ class CostModelPolicy:
         prices, as the round planner would see the step: the others one row each).
         Batch 1, or with ``ControllerConfig.ready_under_load`` off: never."""
         n = features.num_running
-        if not (n and self.config.ready_under_load and self.config.rounds.load_aware) or DRAFT_MODEL not in self.drafters:
+        if not (n and self.config.ready_under_load and self.config.rounds.load_aware):
+            return False
+        if DRAFT_MODEL not in self.drafters:
             return False
         max_k = self.config.rounds.max_k
         prices = load_prices(StepLoad(n, n), self.timings, (DRAFT_MODEL,), max_k, decode_context(features))
-        plain_rate = (n + 1 + self.config.rounds.min_gain) / prices.base_s
+        plain_rate = prices.plain_rate(self.config.rounds.min_gain)
         progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), prices.costs_s[DRAFT_MODEL]
-        return all((n + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        return all((prices.offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""

@@ -336,8 +336,7 @@ class AdaptiveRounds:
         priced = self._load_memo.get(load)
         if priced is None:
             prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
-            priced = self._load_memo[load] = (prices.offset, (prices.offset + 1.0 + self.config.min_gain)
-                                              / prices.base_s, prices.costs_s)
+            priced = self._load_memo[load] = (prices.offset, prices.plain_rate(self.config.min_gain), prices.costs_s)
         return priced
 
     def _priced(self, drafter: str, signal: int, a: float | None = None,

@@ -53,6 +53,10 @@ class LoadPrices:
     base_s: float  # T: the step with this request's one row
     costs_s: dict[str, tuple[float, ...]]  # per drafter, T + D_k for k = 0..max_k
 
+    def plain_rate(self, min_gain: float) -> float:
+        """The rate a round must beat: a plain step's, (N + 1 + g) / T."""
+        return (self.offset + 1.0 + min_gain) / self.base_s
+
 
 @lru_cache(maxsize=4096)
 def _rows_added_s(model: ModelTimings, num_rows: int, max_k: int) -> tuple[float, ...]:
