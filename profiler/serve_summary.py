@@ -132,27 +132,8 @@ def load_latencies(times: list[tuple[float, float, float, int]]) -> LoadLatencie
                          num_output / span_s if span_s > 0 else 0.0)
 
 
-@dataclass(frozen=True)
-class Latencies:
-    """A load's (p50, p90) seconds of time to first token, inter-token latency (each
-    request's mean after its first token) and end to end, and its output tokens per second
-    over the span from the first arrival to the last finish (``LoadLatencies``, shortened)."""
-
-    ttft_s: tuple[float, float]
-    itl_s: tuple[float, float]
-    e2e_s: tuple[float, float]
-    output_tok_per_s: float
-
-
-def latencies(times: list[tuple[float, float, float, int]]) -> Latencies:
-    """``load_latencies``' p50 and p90 and output tok/s."""
-    full = load_latencies(times)
-    return Latencies((full.ttft.p50_s, full.ttft.p90_s), (full.itl.p50_s, full.itl.p90_s),
-                     (full.e2e.p50_s, full.e2e.p90_s), full.output_tok_per_s)
-
-
 def served_times(rows: list[ServedRow]) -> list[tuple[float, float, float, int]]:
-    """Served rows as ``latencies`` takes them."""
+    """Served rows as ``load_latencies`` takes them."""
     return [(r.arrival_s, r.first_token_s, r.finish_s, len(r.output_ids)) for r in rows]
 
 
@@ -185,11 +166,11 @@ def summarize_loads(served: list[ServedRow], steps: list[StepRow]) -> list[LoadS
         ran[step.load, step.policy].append(step)
     summaries = []
     for (load, policy), rows in sorted(requests.items(), key=lambda kv: (_load_order(kv[0][0]), kv[0][1])):
-        measured = latencies(served_times(rows))
+        measured = load_latencies(served_times(rows))
         its_steps = ran[load, policy]
         num_steps = max(len(its_steps), 1)
         summaries.append(LoadSummary(
-            load, policy, measured.output_tok_per_s, measured.ttft_s[0], measured.e2e_s[0], len(its_steps),
+            load, policy, measured.output_tok_per_s, measured.ttft.p50_s, measured.e2e.p50_s, len(its_steps),
             sum(len(s.request_ids) for s in its_steps) / num_steps, sum(sum(s.rows) for s in its_steps) / num_steps,
             sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows)))
     return summaries

@@ -117,14 +117,13 @@ def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> Loa
     times = run.times()
     stats = load_latencies(times)
     speculation = speculation_by_batch(run.steps)
-    total = pool_speculation([speculation])
-    num_rounds = sum(at.num_rounds for at in total)
+    num_rounds = sum(at.num_rounds for at in speculation)
     good = num_meeting_slo(times, slo) if slo is not None and slo.stated else None
     return LoadResult(
         load, policy, len(times), len(run.steps), stats.span_s, stats.num_output_tokens, stats.output_tok_per_s,
         stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
         None if good is None else (good / stats.span_s if stats.span_s > 0 else 0.0),
-        sum(at.num_speculating for at in total) / num_rounds if num_rounds else 0.0, speculation)
+        sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation)
 
 
 def _score(result: LoadResult) -> tuple[float, ...]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from profiler.arrivals import arrivals_s
 from profiler.schema import StepRow, TraceError, table_to_rows
 from profiler.serve_record import Load
-from profiler.serve_summary import Latencies, latencies, served_times
+from profiler.serve_summary import LoadLatencies, Percentiles, load_latencies, served_times
 from profiler.trace_io import read_table
 from rakv.cli import run_cli
 from rakv.scheduler import BatchConfig, Composition
@@ -91,9 +91,9 @@ class LoadFidelity:
     policy: str
     steps: StepCheck | None  # None: an open loop
     step_errors: StepErrors | None  # in sample; None: an open loop
-    recorded: Latencies  # the served requests as measured
-    simulated: Latencies  # free-running, overheads in sample
-    simulated_out: Latencies  # free-running, overheads fitted on the other loads
+    recorded: LoadLatencies  # the served requests as measured
+    simulated: LoadLatencies  # free-running, overheads in sample
+    simulated_out: LoadLatencies  # free-running, overheads fitted on the other loads
 
 
 def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None,
@@ -180,18 +180,15 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
                  for load in load_names}
     results = []
     for (load, policy), rows in steps.items():
-        recorded = latencies(served_times(served[load, policy]))
+        recorded = load_latencies(served_times(served[load, policy]))
         run = loads.replay(load, policy, everything)
         run_out = loads.replay(load, policy, leave_out.get(load, everything))
         check = compare_steps(rows, run.steps) if (load, policy) in closed else None
         errors = (step_errors(everything, compositions[load, policy], rows, draft_rows[load, policy])
                   if check is not None else None)
-        results.append(LoadFidelity(load, policy, check, errors, recorded, _summary(run), _summary(run_out)))
+        results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
+                                    load_latencies(run_out.times())))
     return results
-
-
-def _summary(run: LoadRun) -> Latencies:
-    return latencies(run.times())
 
 
 def _pct(value: float | None) -> str:
@@ -200,6 +197,10 @@ def _pct(value: float | None) -> str:
 
 def _error(got: float, want: float) -> str:
     return f"{100.0 * (got / want - 1.0):+.1f}" if want > 0 else "-"
+
+
+def _p50_p90_error(got: Percentiles, want: Percentiles) -> str:
+    return f"{_error(got.p50_s, want.p50_s)} / {_error(got.p90_s, want.p90_s)}"
 
 
 def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
@@ -222,10 +223,8 @@ def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
         cells = []
         for sim in (row.simulated, row.simulated_out):
             rec = row.recorded
-            cells += [f"{_error(sim.ttft_s[0], rec.ttft_s[0])} / {_error(sim.ttft_s[1], rec.ttft_s[1])}",
-                      f"{_error(sim.itl_s[0], rec.itl_s[0])} / {_error(sim.itl_s[1], rec.itl_s[1])}",
-                      f"{_error(sim.e2e_s[0], rec.e2e_s[0])} / {_error(sim.e2e_s[1], rec.e2e_s[1])}",
-                      _error(sim.output_tok_per_s, rec.output_tok_per_s)]
+            cells += [_p50_p90_error(sim.ttft, rec.ttft), _p50_p90_error(sim.itl, rec.itl),
+                      _p50_p90_error(sim.e2e, rec.e2e), _error(sim.output_tok_per_s, rec.output_tok_per_s)]
         lines.append(f"| {row.load} | {row.policy} | " + " | ".join(cells) + " |")
     for row in rows:
         if row.steps is not None and row.steps.first_difference is not None:
