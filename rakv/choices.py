@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from rakv.cost_model import Action
 from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.drafters import SUFFIX
 
 
 R_CHOICES = (0, 1)  # 0: compute the prompt, 1: reuse stored KV
@@ -38,10 +39,12 @@ def usable_drafters(draft_model: bool) -> tuple[str, ...]:
     return tuple(d for d in FIXED_KINDS if draft_model or d != DRAFT_MODEL)
 
 
-def readied_drafters(action: Action) -> tuple[str, ...]:
+def readied_drafters(action: Action, store_drafter: bool = False) -> tuple[str, ...]:
     """The drafters an action readies for adaptive rounds: prompt lookup always (it needs no
-    cache), the draft model only when the action prefills it."""
-    return (DRAFT_MODEL, NGRAM) if action.k and action.drafter == DRAFT_MODEL else (NGRAM,)
+    cache), the draft model only when the action prefills it, the store drafter where
+    ``store_drafter`` (it needs no cache either)."""
+    ready = (DRAFT_MODEL, NGRAM) if action.k and action.drafter == DRAFT_MODEL else (NGRAM,)
+    return ready + (SUFFIX,) if store_drafter else ready
 
 
 def fixed_policy_name(action: Action) -> str:

@@ -22,6 +22,7 @@ from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, f
 from rakv.cost_model import (Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context,
                              progress_by_k)
 from rakv.drafters import DRAFT_MODEL
+from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.prefix_index import as_token_array
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
@@ -87,6 +88,10 @@ class ControllerConfig:
     # readied, its first round would prefill the draft over the whole prompt, and its memory
     # is reserved for nothing. Off: readied as at batch 1, as engines before it did.
     ready_under_load: bool = field(default=True, metadata={"before": False})
+    # Adaptive rounds may also draft from what earlier requests produced, held by the prefix
+    # store (``rakv.suffix_drafter``); it costs a lookup, so it is always ready. Off: prompt
+    # lookup and the draft model only, as engines before it.
+    store_drafter: bool = field(default=True, metadata={"before": False})
 
 
 @dataclass
@@ -103,6 +108,8 @@ class CostModelPolicy:
         # EWMA of each drafter's per-token acceptance, from the calibration priors; and of
         # each (drafter, signal), which is where each request's rounds start from
         self.acceptance = {d: self.timings.prior(d) for d in drafters}
+        if self.config.store_drafter:  # its rounds start from its priors by signal (``initial_estimate``)
+            self.acceptance[SUFFIX] = suffix_prior(1)
         self.signal_acceptance: dict[tuple[str, int], float] = {}
         self.seen: set[str] = set()  # drafters whose acceptance has been measured (see ControllerConfig.probe_margin)
         self._round_cost_memo: dict[tuple, RoundCosts] = {}
@@ -160,7 +167,7 @@ class CostModelPolicy:
         """(the drafters ready, the planner settings, the round costs) of an adaptive
         request: prompt lookup is always ready (it needs no cache), the draft model only if
         the action prefilled it; draft lengths stay within the memory limit."""
-        ready = readied_drafters(action)
+        ready = readied_drafters(action, self.config.store_drafter)
         max_k = self.config.rounds.max_k
         limit = self.config.memory_limit_bytes
         while limit is not None and max_k > 0 and any(

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rakv.drafters import DRAFT_MODEL, DRAFTERS, NGRAM
+from rakv.drafters import DRAFT_MODEL, DRAFTERS, MODEL_FREE, NGRAM
 from rakv.store_model import reused_positions
 
 
@@ -181,7 +181,7 @@ def round_s(timings: PairTimings, drafter: str, k: int, num_context: int) -> flo
     if k == 0:
         return timings.target.step_s(num_context)
     verify_s = timings.target.verify_s(k + 1, num_context)
-    if drafter == NGRAM:
+    if drafter in MODEL_FREE:  # the store drafter's lookup is priced as prompt lookup's
         return verify_s + timings.ngram_lookup_s
     if timings.draft is None:
         raise ValueError("a draft-model round needs the draft's timings")

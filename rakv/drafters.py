@@ -5,6 +5,10 @@
 - ``ngram``: prompt lookup. The longest recent n-gram of the sequence (prompt and output
   so far) is searched for at its most recent earlier occurrence; the tokens that
   followed it are proposed. No model, microseconds per round.
+- ``suffix``: the store drafter (``rakv.suffix_drafter``): the longest match among the
+  sequences the prefix store holds and the request's own, with its continuation's
+  frequency. No model, microseconds per round; its proposals also depend on what the
+  store holds when they are made.
 
 Both are deterministic functions of the true prefix, so each has run lengths: m_t, the
 number of leading proposed tokens at output position t that equal the target's output,
@@ -22,7 +26,9 @@ import numpy as np
 
 DRAFT_MODEL = "draft"
 NGRAM = "ngram"
-DRAFTERS = (DRAFT_MODEL, NGRAM)
+SUFFIX = "suffix"
+DRAFTERS = (DRAFT_MODEL, NGRAM, SUFFIX)
+MODEL_FREE = (NGRAM, SUFFIX)  # drafters that cost a lookup, not a model: shadowed, and priced as a verification
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from rakv.controller import Decision, Policy, RequestOutcome, request_features, 
 from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
 from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, RunLengths, matching_prefix_length
+from rakv.suffix_drafter import SUFFIX, SuffixColumns, SuffixDrafter
 from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
@@ -147,6 +148,10 @@ class Engine:
         drafters = {}
         if NGRAM in names:
             drafters[NGRAM] = NgramDrafter(self.config.ngram, max_k=MAX_DRAFT_LENGTH)
+        if SUFFIX in names:
+            suffix = self.config.suffix
+            drafters[SUFFIX] = SuffixDrafter(self.store.model.sequences(self.pair.target_fingerprint, suffix.key_tokens),
+                                             suffix, MAX_DRAFT_LENGTH)
         if DRAFT_MODEL in names:
             cache = self.store.restore(draft_match.entry, draft_reused) if draft_reused else GrowingCache()
             drafters[DRAFT_MODEL] = DraftModelDrafter(self.pair.draft, cache)
@@ -187,8 +192,12 @@ class _ModelRounds(PlannedRounds):
     def __init__(self, planner, max_new_tokens: int, pair: ModelPair, target_cache: DynamicCache, drafters: dict,
                  seq: list[int], num_prompt: int, logits):
         self.eos = pair.eos_token_ids
-        self.lengths = {d: RunLengths(*([0] * max_new_tokens for _ in range(3)),
-                                      extents=[0] * max_new_tokens if d == NGRAM else None) for d in planner.drafters}
+        # the store drafter's are looked up when read (at each round's planning), as a replay's are
+        self.lengths = {d: SuffixColumns(drafters[d], seq, num_prompt, max_new_tokens) if d == SUFFIX else
+                        RunLengths(*([0] * max_new_tokens for _ in range(3)),
+                                   extents=[0] * max_new_tokens if d == NGRAM else None) for d in planner.drafters}
+        self._looked = tuple(d for d in planner.drafters if d != SUFFIX)
+        self._looked_shadows = tuple(d for d in planner.shadowed if d != SUFFIX)
         # seq grows in place, so the planner reads the tokens known at each iteration
         super().__init__(planner, self.lengths, max_new_tokens, 1 if seq[-1] in self.eos else max_new_tokens, seq)
         self.target, self.target_cache, self.drafters = pair.target, target_cache, drafters
@@ -215,6 +224,8 @@ class _ModelRounds(PlannedRounds):
             self.end = len(self.seq) - self.num_prompt
         for d, proposal in self._proposals.items():
             self.lengths[d].runs[t] = matching_prefix_length(proposal, token_ids)
+        if SUFFIX in self.planner.shadowed:
+            self.lengths[SUFFIX].runs[t] = matching_prefix_length(self.lengths[SUFFIX].proposal(t), token_ids)
         self._look(t + len(token_ids))
 
     def _look(self, t: int) -> None:
@@ -222,9 +233,9 @@ class _ModelRounds(PlannedRounds):
         if t >= self.end:
             return
         seq, drafters = self.seq, self.drafters
-        for d in self.planner.drafters:
+        for d in self._looked:
             self.lengths[d].signals[t] = drafters[d].signal(seq)
-        for d in self.planner.shadowed:
+        for d in self._looked_shadows:
             self._proposals[d] = drafters[d].propose(seq, self._shadow_length)
             self.lengths[d].proposed[t] = len(self._proposals[d])
             if d == NGRAM:

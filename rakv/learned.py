@@ -142,7 +142,9 @@ class LearnedPolicy:
 
     def __init__(self, policy_file: PolicyFile, timings: PairTimings, memory_limit_bytes: int | None = None):
         self.file = policy_file
-        self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes))
+        # the round models know prompt lookup and the draft model only: no store drafter (yet)
+        self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes,
+                                                         store_drafter=False))
         # where each request's rounds start, whatever the requests before did
         self.start = {d: float(policy_file.sidecar["draft_prior"]) if d != NGRAM else timings.prior(NGRAM)
                       for d in self.analytic.drafters}

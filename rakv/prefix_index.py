@@ -13,6 +13,9 @@ Invariants:
   least-recent end until the new entry fits.
 - Namespaces (one per model fingerprint) never see each other's entries: the namespace is
   part of every bucket key, compared exactly.
+- Every listener (``listeners``: ``added(entry)``, ``removed(entry)``) is told of each
+  entry as it enters and leaves, after the index has changed, so a listener's view of the
+  entries is the index's (``rakv.suffix_drafter.SequenceIndex``).
 
 Bucketing: an entry of n tokens is registered under the digests of its first j tokens for
 j = 1 .. min(16, n). A lookup of a prompt P uses the digest of P's first min(16, |P|)
@@ -91,6 +94,7 @@ class PrefixIndex:
         self.total_bytes = 0
         self.num_evictions = 0
         self._digest_memo: dict[bytes, tuple[bytes, ...]] = {}  # first 16 tokens' bytes -> their prefix digests
+        self.listeners: list = []  # told of every entry added and removed
 
     # -- queries -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -162,6 +166,8 @@ class PrefixIndex:
         self._lru[entry.entry_id] = entry
         self.total_bytes += entry.num_bytes
         self.touch(entry)
+        for listener in self.listeners:
+            listener.added(entry)
         return entry
 
     def evict_lru(self) -> bool:
@@ -195,3 +201,5 @@ class PrefixIndex:
                 del self._buckets[key]
         entry.keys = []
         self.total_bytes -= entry.num_bytes
+        for listener in self.listeners:
+            listener.removed(entry)

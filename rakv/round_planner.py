@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
-from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths, ngram_prior
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths, ngram_prior
+from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.step_load import StepLoad, load_prices
 
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
@@ -238,9 +239,11 @@ def confidence_threshold(samples: Sequence[tuple[float, bool]], start: float) ->
 
 
 def initial_estimate(drafter: str, signal: int, drafter_estimate: float) -> float:
-    """Acceptance under a signal never observed: prompt lookup's prior for the match
-    length, or the drafter's overall estimate."""
-    return ngram_prior(signal) if drafter == NGRAM else drafter_estimate
+    """Acceptance under a signal never observed: prompt lookup's and the store drafter's
+    priors for their match, or the drafter's overall estimate."""
+    if drafter == NGRAM:
+        return ngram_prior(signal)
+    return suffix_prior(signal) if drafter == SUFFIX else drafter_estimate
 
 
 class AdaptiveRounds:
@@ -269,7 +272,7 @@ class AdaptiveRounds:
         self.drafters = drafters
         self._probe = probe
         self.config = config
-        self.shadowed = tuple(d for d in drafters if d == NGRAM)
+        self.shadowed = tuple(d for d in drafters if d in MODEL_FREE)
         self.acceptance = dict(priors)  # (drafter, signal) -> per-token acceptance, this request
         self.fallback = dict(fallback)  # per drafter, for a signal not seen before
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens

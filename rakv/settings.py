@@ -25,18 +25,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from rakv.controller import ControllerConfig
 from rakv.cost_model import PairTimings
 from rakv.drafters import NgramConfig
 from rakv.store_model import ModelSizes, StoreConfig
+from rakv.suffix_drafter import SuffixConfig
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     store: StoreConfig = StoreConfig()
     ngram: NgramConfig = NgramConfig()
+    # before it existed the store drafter never ran, so any values reproduce those engines
+    suffix: SuffixConfig = field(default=SuffixConfig(), metadata={"before": dataclasses.asdict(SuffixConfig())})
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class DecisionInputs:
 
 
 # ``override``'s section names: where each lives in ``Settings``
-SECTIONS = {"store": ("engine", "store"), "ngram": ("engine", "ngram"), "controller": ("controller",),
+SECTIONS = {"store": ("engine", "store"), "ngram": ("engine", "ngram"), "suffix": ("engine", "suffix"),
+            "controller": ("controller",),
             "planner": ("controller", "rounds")}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from rakv.cost_model import ModelTimings, PairTimings
-from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def load_prices(load: StepLoad, timings: PairTimings, drafters: tuple[str, ...],
         base_s += sum(1 for n in load.draft_depths if n) * draft_step_s + others_s
     costs: dict[str, tuple[float, ...]] = {}
     for drafter in drafters:
-        if drafter == NGRAM:
+        if drafter in MODEL_FREE:
             costs[drafter] = (base_s,) + tuple(base_s + a + timings.ngram_lookup_s for a in added[1:])
         elif drafter == DRAFT_MODEL:
             alone, rows_s, _ = _draft_added(timings.draft, load.draft_depths, max_k)

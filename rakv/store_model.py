@@ -33,6 +33,7 @@ import numpy as np
 
 from rakv.prefix_index import Entry, PrefixIndex, as_token_array, prefix_digest
 from rakv.rounds import draft_cache_positions
+from rakv.suffix_drafter import SequenceIndex
 
 DEFAULT_BUDGET_BYTES = 512 * 2**20
 STORE_MODES = ("full", "prompt", "off")
@@ -140,6 +141,18 @@ class StoreModel:
                  digest: Callable[[np.ndarray], bytes] = prefix_digest):
         self.config = config
         self.index = PrefixIndex(config.budget_bytes, digest)
+        self._sequences: dict[tuple[str, int], SequenceIndex] = {}
+
+    def sequences(self, namespace: str, key_tokens: int) -> SequenceIndex:
+        """The namespace's stored sequences, filed for the store drafter
+        (``rakv.suffix_drafter``). Built on first use from the entries held, in insertion
+        order (``SequenceIndex.holding``), then kept by the index's every change."""
+        key = (namespace, key_tokens)
+        found = self._sequences.get(key)
+        if found is None:
+            found = self._sequences[key] = SequenceIndex.holding(namespace, key_tokens, self.index.entries())
+            self.index.listeners.append(found)
+        return found
 
     @property
     def total_bytes(self) -> int:

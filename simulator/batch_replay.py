@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rakv.acceptance import RunLengthRounds
+from rakv.acceptance import RunLengthRounds, with_store_drafter
 from rakv.controller import Policy, RequestOutcome, start_request
 from rakv.drafters import DRAFT_MODEL
 from rakv.rounds import draft_cache_after
@@ -193,7 +193,10 @@ class BatchReplay:
         self._first_tokens.append(live.seq.request_id)
         live.seq.num_tokens += 1
         recorded = live.recorded
-        live.moves = RunLengthRounds(live.planner, recorded.lengths, live.num_output, live.seq.max_new_tokens,
+        lengths = with_store_drafter(recorded.lengths, live.planner.drafters, self.store, self.target_namespace,
+                                     self.inputs.engine.suffix, recorded.token_ids, live.seq.num_prompt,
+                                     live.num_output)
+        live.moves = RunLengthRounds(live.planner, lengths, live.num_output, live.seq.max_new_tokens,
                                       recorded.token_ids)
         live.seq.moves = live.moves
 

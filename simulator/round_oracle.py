@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from rakv.acceptance import ReplayedRound
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, SUFFIX, RunLengths
 from rakv.rounds import draft_cache_after, tokens_appended
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch
@@ -39,6 +39,7 @@ from simulator.trace import RecordedRequest
 
 NAME = "round-oracle"
 READY_SETS = ((), (NGRAM,), (DRAFT_MODEL,), (DRAFT_MODEL, NGRAM))  # what a request may ready, in the order weighed
+STORE_READY_SETS = ((NGRAM, SUFFIX), (DRAFT_MODEL, NGRAM, SUFFIX))  # and with the store drafter, where it is on
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ def best_schedule(n: int, num_output: int, max_new: int, max_k: int, drafters: t
     target, draft = costs.target, costs.draft
     end = num_output
     ngram_ready, draft_ready = NGRAM in drafters, DRAFT_MODEL in drafters
+    free = [d for d in MODEL_FREE if d in drafters]
     draft_bytes = inputs.draft_sizes.kv_bytes_per_token if draft_ready else 0
     per_round = overhead.round_s
 
@@ -67,16 +69,16 @@ def best_schedule(n: int, num_output: int, max_new: int, max_k: int, drafters: t
         fixed[t] = overhead.iteration_s + (costs.ngram(length) if ngram_ready else 0.0)
         moves = {1: (target.decode(length - 1), None)}
         top = min(max_k, max_new - t - 1)
-        if ngram_ready and top > 0:
-            ngram = lengths[NGRAM]
+        for drafter in free if top > 0 else ():
+            found = lengths[drafter]
             for k in range(1, top + 1):
-                proposed, accepted = min(k, ngram.proposed[t]), min(k, ngram.runs[t])
+                proposed, accepted = min(k, found.proposed[t]), min(k, found.runs[t])
                 if proposed == 0:
                     break  # an empty proposal is a plain step with a round's overhead
                 cost = target.verify(proposed + 1, length - 1) + per_round
                 appended = tokens_appended(accepted, t, end)
                 if cost < moves.get(appended, (float("inf"),))[0]:
-                    moves[appended] = (cost, ReplayedRound(t, NGRAM, k, proposed, accepted))
+                    moves[appended] = (cost, ReplayedRound(t, drafter, k, proposed, accepted))
         plain_moves[t] = tuple((a, c, rnd) for a, (c, rnd) in moves.items())
         if draft_ready and top > 0:
             runs = lengths[DRAFT_MODEL].runs
@@ -159,7 +161,8 @@ class RoundOracle(Session):
         super().__init__(_Nobody(), inputs, target_namespace, draft_namespace)
         self.costs, self.overhead = costs, overhead
         has_draft = inputs.draft_sizes is not None and costs.draft is not None
-        self.ready_sets = tuple(s for s in READY_SETS if has_draft or DRAFT_MODEL not in s)
+        store_sets = STORE_READY_SETS if inputs.controller.store_drafter else ()
+        self.ready_sets = tuple(s for s in READY_SETS + store_sets if has_draft or DRAFT_MODEL not in s)
         self.priced: list[tuple[int, tuple[str, ...], float, ReplayedRequest]] = []  # the last request's, each priced
         # a schedule depends on the request, its cap, the drafters, the draft's reused positions and what is kept
         self._schedules: dict[tuple, tuple[ReplayedRound, ...]] = {}
@@ -178,13 +181,17 @@ class RoundOracle(Session):
         max_k = min(self.inputs.controller.rounds.max_k, request.max_k)
         kept = self.store.kept_lengths(n, len(seq), None, ())[0]
         self.priced, best = [], None
+        lengths = self.lengths(request, (SUFFIX,) if self.inputs.controller.store_drafter else (), num_output)
+        if SUFFIX in lengths:  # looked up at every position now, as the store stands at the request's start
+            lengths = {**lengths, SUFFIX: lengths[SUFFIX].materialized()}
         for r in (0, 1):
             for drafters in self.ready_sets:
                 ready = DRAFT_MODEL in drafters
                 reused = self.store.reuse_of(target, draft if ready else None, r)[1]
                 key = (request.request_id, max_new, drafters, reused, kept)
-                if key not in self._schedules:  # r changes a schedule only through the draft's reused positions
-                    self._schedules[key] = best_schedule(n, num_output, max_new, max_k, drafters, request.lengths,
+                if key not in self._schedules or SUFFIX in drafters:  # r changes a schedule only through the
+                    # draft's reused positions; the store drafter's run lengths, through the store's contents
+                    self._schedules[key] = best_schedule(n, num_output, max_new, max_k, drafters, lengths,
                                                          reused, kept, self.costs, self.inputs, self.overhead).rounds
                 rounds = self._schedules[key]
                 action = Action(r, 1, DRAFT_MODEL if ready else NGRAM) if drafters else Action(r, 0)

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from profiler.schema import RunRow
-from rakv.acceptance import ReplayedRound, comparable_rounds, replay_request
+from rakv.acceptance import ReplayedRound, comparable_rounds, replay_request, with_store_drafter
 from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.drafters import DRAFT_MODEL, NGRAM, SUFFIX, RunLengths
 from rakv.policies import resolve_policy
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
@@ -38,6 +38,9 @@ class ReplayedRequest:
     num_output_tokens: int
     estimates: tuple[tuple[str, float], ...]  # the adaptive policy's acceptance per drafter when it decided
     foresight: bool = False  # its rounds were the round oracle's: planned knowing the run lengths, at no cost
+    # the store drafter's run lengths at every position, as the store stood when the request
+    # ran (None: not ready); the trace cannot hold them, as they depend on the store
+    store_lengths: RunLengths | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -76,6 +79,7 @@ class Session:
         self.store = StoreModel(inputs.engine.store)
         self._memo: dict[tuple, tuple[object, tuple[ReplayedRound, ...]]] = {}  # (planner, rounds) by key
         self.target_namespace, self.draft_namespace = target_namespace, draft_namespace
+        self._store_lengths: RunLengths | None = None  # the request being replayed's (``ReplayedRequest``)
 
     @classmethod
     def for_policy(cls, name: str, inputs: DecisionInputs, target_namespace: str,
@@ -95,6 +99,7 @@ class Session:
         features = RequestFeatures.of(target, draft, max_new, prompt)
         estimates = tuple(sorted(getattr(self.policy, "acceptance", {}).items()))
         action, planner, rounds = self.decide(request, features, target, draft)
+        store_lengths, self._store_lengths = self._store_lengths, None
         draft_ready = DRAFT_MODEL in planner.drafters
         seq = request.token_ids[:n + output_length(request, max_new)]
         draft_side = (self.draft_namespace, draft, self.inputs.draft_sizes) if draft_ready else None
@@ -102,7 +107,7 @@ class Session:
                                    draft_side, action.r, rounds)
         self.policy.observe(RequestOutcome(action, planner.counts()))
         return ReplayedRequest(request.request_id, action, features, outcome, tuple(planner.drafters),
-                               planner.adaptive, rounds, len(seq) - n, estimates)
+                               planner.adaptive, rounds, len(seq) - n, estimates, store_lengths=store_lengths)
 
     def decide(self, request: RecordedRequest, features: RequestFeatures, target: PrefixMatch,
                draft: PrefixMatch) -> tuple[Action, object, tuple[ReplayedRound, ...]]:
@@ -134,8 +139,18 @@ class Session:
                                "cannot replay: re-record the trace (scripts/record_traces.sh), or "
                                "--set planner.draft_confidence=0")
         max_new = features.num_new_tokens
-        return tuple(replay_request(planner, request.lengths, output_length(request, max_new), max_new,
-                                    request.token_ids))
+        num_output = output_length(request, max_new)
+        lengths = self.lengths(request, planner.drafters, num_output)
+        rounds = tuple(replay_request(planner, lengths, num_output, max_new, request.token_ids))
+        if SUFFIX in lengths:  # the positions its rounds skipped, looked up before the store changes
+            self._store_lengths = lengths[SUFFIX].materialized()
+        return rounds
+
+    def lengths(self, request: RecordedRequest, drafters: tuple[str, ...], num_output: int) -> dict:
+        """The request's run lengths for ``drafters``: the trace's, and the store drafter's
+        over the store as it stands (``rakv.acceptance.with_store_drafter``)."""
+        return with_store_drafter(request.lengths, drafters, self.store, self.target_namespace,
+                                  self.inputs.engine.suffix, request.token_ids, len(request.prompt_ids), num_output)
 
 
 def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool = False) -> Policy:

@@ -10,6 +10,7 @@ from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.drafters import NGRAM, RunLengths, ngram_run_lengths
 from rakv.engine import Engine
 from rakv.settings import EngineConfig
+from rakv.suffix_drafter import SUFFIX, SequenceIndex, SuffixColumns, SuffixDrafter
 
 
 def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=EngineConfig()):
@@ -20,7 +21,11 @@ def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=Engin
 
     def recorded(features, action):
         planner = make_planner(features, action)
-        planners.append(copy.deepcopy(planner))
+        started = copy.deepcopy(planner)
+        # the store as the request's store drafter sees it (the store changes only between requests)
+        started.store_view = SequenceIndex.holding(pair.target_fingerprint, config.suffix.key_tokens,
+                                                   engine.store.model.index.entries())
+        planners.append(started)
         return planner
 
     policy.planner = recorded
@@ -28,12 +33,16 @@ def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=Engin
     return [engine.generate(p, max_new_tokens) for p in prompts], planners
 
 
-def drafter_run_lengths(pair, drafter: str, prompt, output, config=EngineConfig()) -> RunLengths:
+def drafter_run_lengths(pair, drafter: str, prompt, output, config=EngineConfig(), store_view=None) -> RunLengths:
     """m_t, proposal lengths, signals and (draft model) top-1 probabilities from one
-    teacher-forced pass of the drafter."""
+    teacher-forced pass of the drafter (the store drafter: over ``store_view``, the
+    store's sequences as the request saw them)."""
     max_k = MAX_DRAFT_LENGTH
     if drafter == NGRAM:
         return ngram_run_lengths(prompt, output, max_k, config.ngram)
+    if drafter == SUFFIX:
+        tokens = list(prompt) + list(output)
+        return SuffixColumns(SuffixDrafter(store_view, config.suffix, max_k), tokens, len(prompt), len(output), output)
     agree, probs = draft_predictions(pair.draft, prompt, output)
     return RunLengths(run_lengths(agree, max_k), [max_k] * len(output), [0] * len(output), probs)
 
@@ -48,7 +57,8 @@ def assert_rounds_replay(pair, prompts, results, planners, max_new_tokens, confi
             assert result.rounds == ()
             continue
         output = list(result.output_ids)
-        lengths = {d: drafter_run_lengths(pair, d, prompt, output, config) for d in names}
+        lengths = {d: drafter_run_lengths(pair, d, prompt, output, config, getattr(planner, "store_view", None))
+                   for d in names}
         max_new = min(max_new_tokens, pair.max_positions - len(prompt))
         expected = replay_request(planner, lengths, len(output), max_new)
         recorded, replayed = comparable_rounds(

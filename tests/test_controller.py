@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from rakv.suffix_drafter import suffix_prior
 from rakv.acceptance import replay_request, run_lengths
 from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome, fixed_action, make_policy
 from rakv.drafters import RunLengths
@@ -125,7 +126,7 @@ def test_ngram_acceptance_is_tracked_separately():
     policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9, ngram_prior=0.5), ControllerConfig(ewma_decay=1.0))
     policy.observe(RequestOutcome(Action(0, 4, "ngram"), (AcceptanceCount("ngram", 3, 8, 0),
                                                           AcceptanceCount("ngram", 1, 0, 8))))
-    assert policy.acceptance == {"draft": 0.9, "ngram": 0.5}
+    assert policy.acceptance == {"draft": 0.9, "ngram": 0.5, "suffix": suffix_prior(1)}  # the store drafter untouched
     assert policy.signal_acceptance == {("ngram", 3): 1.0, ("ngram", 1): 0.0}
 
 
@@ -140,16 +141,16 @@ def test_adaptive_rounds_follow_the_request_not_the_prior():
     action = policy.decide(features())
     assert action.k == 0  # the overall prior says prompt lookup does not pay here
     planner = policy.planner(features(), action)
-    assert planner.drafters == ("ngram",) and planner.shadowed == ("ngram",)
-    assert planner.plan({"ngram": 0}) == ("ngram", 0)  # no match: nothing to propose
-    assert planner.plan({"ngram": 1})[1] == 0  # a 1-gram match is a poor guess (prior 0.2)
-    assert planner.plan({"ngram": 3})[1] >= 4  # a 3-gram match a good one (prior 0.75)
+    assert planner.drafters == planner.shadowed == ("ngram", "suffix")  # the store drafter, here with no match
+    assert planner.plan({"ngram": 0, "suffix": 0}) == ("ngram", 0)  # no match: nothing to propose
+    assert planner.plan({"ngram": 1, "suffix": 0})[1] == 0  # a 1-gram match is a poor guess (prior 0.2)
+    assert planner.plan({"ngram": 3, "suffix": 0})[1] >= 4  # a 3-gram match a good one (prior 0.75)
     for _ in range(12):  # shadowed 1-gram proposals confirmed by plain steps: this request copies
         planner.observe("ngram", 1, 1, 1)
-    assert planner.plan({"ngram": 1})[1] >= 4
+    assert planner.plan({"ngram": 1, "suffix": 0})[1] >= 4
     for _ in range(6):  # 3-gram proposals keep failing in this request
         planner.observe("ngram", 3, 8, 0)
-    assert planner.plan({"ngram": 3})[1] == 0
+    assert planner.plan({"ngram": 3, "suffix": 0})[1] == 0
     assert policy.acceptance["ngram"] == 0.05  # the policy's estimates move only per request
     policy.observe(RequestOutcome(action, planner.counts()))
     assert policy.signal_acceptance[("ngram", 1)] > 0.2 and policy.signal_acceptance[("ngram", 3)] < 0.75
@@ -159,8 +160,10 @@ def test_planner_readies_the_draft_model_only_when_the_action_uses_it():
     policy = CostModelPolicy(timings(draft_step_s=0.004, prior=0.9))
     action = policy.decide(features())
     assert action.drafter == "draft" and action.k > 0
-    assert policy.planner(features(), action).drafters == ("draft", "ngram")
-    assert policy.planner(features(), Action(0, 0)).drafters == ("ngram",)
+    assert policy.planner(features(), action).drafters == ("draft", "ngram", "suffix")
+    assert policy.planner(features(), Action(0, 0)).drafters == ("ngram", "suffix")
+    without = CostModelPolicy(policy.timings, ControllerConfig(store_drafter=False))
+    assert without.planner(features(), Action(0, 0)).drafters == ("ngram",)
     limit = action_bytes(Action(0, 2, "ngram"), features(), policy.timings)  # the working KV of k = 2
     capped = CostModelPolicy(policy.timings, ControllerConfig(memory_limit_bytes=limit))
     assert capped.planner(features(), Action(0, 0)).config == PlannerConfig(max_k=2)
@@ -172,7 +175,8 @@ def test_adaptive_replay_is_deterministic_and_waits_for_the_copy():
     # prompt lookup matches only 1-grams, yet agrees from output position 10 on (a copied
     # stretch), never before
     agree = [False] * 10 + [True] * 40
-    lengths = {"ngram": RunLengths(run_lengths(agree, 8), [8] * 50, [1] * 50)}
+    lengths = {"ngram": RunLengths(run_lengths(agree, 8), [8] * 50, [1] * 50),
+               "suffix": RunLengths([0] * 50, [0] * 50, [0] * 50)}  # the store drafter finds nothing
     first = replay_request(copy.deepcopy(planner), lengths, 50, 50)
     assert first == replay_request(copy.deepcopy(planner), lengths, 50, 50)
     assert first[0].start >= 10 and sum(r.accepted for r in first) >= 20
@@ -285,7 +289,8 @@ def test_rakv_probes_an_unseen_draft_model_then_trusts_what_it_measured():
     probe = policy.decide(features())
     assert probe.k > 0 and probe.drafter == "draft"
     planner = policy.planner(features(), probe)
-    first, second = planner.plan({"draft": 0, "ngram": 0}), planner.plan({"draft": 0, "ngram": 0})
+    signals = {"draft": 0, "ngram": 0, "suffix": 0}
+    first, second = planner.plan(signals), planner.plan(signals)
     assert first[0] == "draft" and first[1] > 0 and second[1] == 0  # one probing round, then the margin rules
     assert CostModelPolicy(timings(draft_step_s=0.012, prior=prior),
                            ControllerConfig(probe_margin=0.0)).decide(features()).k == 0

@@ -87,6 +87,12 @@ def test_the_schedule_is_the_cheapest_of_all(seed):
         assert got - plain == pytest.approx(best.decode_s - plain_s, rel=1e-9, abs=1e-12)
 
 
+def replayed_lengths(request, replayed) -> dict:
+    """The run lengths a replayed request ran with: the trace's, and the store drafter's."""
+    extra = {"suffix": replayed.store_lengths} if replayed.store_lengths is not None else {}
+    return {**request.lengths, **extra}
+
+
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
 def test_never_dearer_than_a_policys_own_rounds(path):
     trace = load_trace(path)
@@ -101,7 +107,8 @@ def test_never_dearer_than_a_policys_own_rounds(path):
             num_output = output_length(request, request.max_new_tokens)
             best = best_schedule(n, num_output, replayed.features.num_new_tokens,
                                  min(inputs.controller.rounds.max_k, request.max_k), replayed.drafters,
-                                 request.lengths, replayed.store.draft_reused_tokens, replayed.store.kept_tokens,
+                                 replayed_lengths(request, replayed), replayed.store.draft_reused_tokens,
+                                 replayed.store.kept_tokens,
                                  timing.costs, inputs, timing.overhead)
             kept_draft = session.store.kept_lengths(n, n + num_output, replayed.store.draft_reused_tokens if
                                                     replayed.draft_ready else None, best.rounds)[1]

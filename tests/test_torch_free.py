@@ -9,6 +9,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TORCH_FREE_MODULES = ("simulator, simulator.trace, simulator.session, policy, rakv.prefix_index, rakv.store_model, "
                       "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.step_load, rakv.settings, "
+                      "rakv.suffix_drafter, rakv.drafters, rakv.choices, "
                       "rakv.prompt_file, rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
                       "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
                       "profiler.serve_summary, simulator.batch_replay, simulator.step_costs, simulator.serve_sim, "

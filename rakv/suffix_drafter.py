@@ -1,0 +1,347 @@
+"""The store drafter (``suffix``): what earlier requests produced, held by the prefix store,
+as a drafter. Imports no torch.
+
+Serving traffic repeats itself across requests (tool calls, templated SQL, a revision of
+the previous answer); prompt lookup sees only the current request. This drafter looks the
+sequence's end up in every sequence the store holds (prompts and outputs of earlier
+requests, as ``StoreModel`` keeps them) and in the request's own prompt and output so far,
+and proposes what followed the longest match, as SuffixDecoding does (vLLM's ``suffix``).
+
+Index: a hashed n-gram table. Every position p of a sequence with ``key_tokens`` tokens
+before it and at least one after is filed under those tokens (their int64 bytes: the key
+is compared exactly, never by a hash). A lookup takes the most recent ``max_candidates``
+positions filed under the sequence's last ``key_tokens`` tokens (the request's own first,
+then the store's, newest entry first), extends each match backwards (up to ``max_match``
+tokens), keeps those with the longest match, and walks their continuations: at each depth
+the most frequent next token (ties: the earlier candidate) while the share of candidates
+that follow the draft so far stays at least ``min_prob``, for at most ``spec_factor`` x
+the match length tokens (SuffixDecoding's rule).
+
+Exactness: a proposal is a function of the request's tokens so far and of the sequences
+the store holds when it is made. The store model decides what it holds from the request
+order and the store settings, the same in the engine and in a replay, and both look a
+position up when its round is planned (``SuffixColumns``): so the proposals, run lengths
+and rounds replay exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from rakv.drafters import SUFFIX, RunLengths
+TOKEN_BYTES = 8  # keys and sequences are int64 bytes, as the prefix index keeps them (``Entry.token_bytes``)
+_POSITION_BITS = 32  # a filed position is entry_id << 32 | p
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    key_tokens: int = 4  # tokens a match starts from (shorter matches are prompt lookup's)
+    max_candidates: int = 32  # most recent positions a lookup extends and counts
+    max_match: int = 64  # a match is extended backwards up to this many tokens
+    spec_factor: float = 1.0  # a proposal is at most this many times the match length
+    min_prob: float = 0.1  # a proposal stops before a token fewer than this share of the matches follow
+
+    def __post_init__(self):
+        if not 1 <= self.key_tokens <= self.max_match or self.max_candidates < 1:
+            raise ValueError(f"need 1 <= key_tokens <= max_match and max_candidates >= 1, got "
+                             f"{self.key_tokens}, {self.max_match}, {self.max_candidates}")
+        if self.spec_factor <= 0 or not 0 < self.min_prob <= 1:
+            raise ValueError(f"need spec_factor > 0 and 0 < min_prob <= 1, got {self.spec_factor}, {self.min_prob}")
+
+
+# -- signals ----------------------------------------------------------------------
+# What the planner knows before a proposal: the match length's bucket and whether the
+# matches agree. signal = bucket + 4 x kind; 0: no proposal.
+MATCH_BUCKETS = (8, 16, 32)  # bucket 1: a match shorter than 8 tokens, ... 4: 32 or more
+ONE, AGREE, SPLIT = 0, 1, 2  # kinds: one match; several, agreeing on the first token; several, not
+# Per-token acceptance before a request has shown its own, by bucket, for one match or
+# several agreeing ones; matches that disagree start at 0.6 of it.
+SUFFIX_PRIOR_BY_BUCKET = {1: 0.45, 2: 0.6, 3: 0.75, 4: 0.85}
+
+
+def suffix_signal(match: int, num_matches: int, first_share: float) -> int:
+    if match == 0:
+        return 0
+    bucket = 1 + sum(match >= b for b in MATCH_BUCKETS)
+    kind = ONE if num_matches == 1 else AGREE if first_share == 1.0 else SPLIT
+    return bucket + 4 * kind
+
+
+def suffix_prior(signal: int) -> float:
+    """Starting acceptance estimate under a signal (0: no proposal)."""
+    if signal == 0:
+        return 0.0
+    bucket, kind = (signal - 1) % 4 + 1, (signal - 1) // 4
+    return SUFFIX_PRIOR_BY_BUCKET[bucket] * (0.6 if kind == SPLIT else 1.0)
+
+
+# -- the store's sequences ------------------------------------------------------------
+class SequenceIndex:
+    """Every position of one namespace's stored sequences, filed by the ``key_tokens``
+    tokens before it (``rakv.prefix_index.PrefixIndex`` tells it of each insert and
+    removal, so it holds exactly the entries the store holds).
+
+    Invariant: under a key, positions are in filing order (entry id, then position), so
+    "most recent" is the same wherever the store model runs. A removed entry's positions
+    are skipped, and dropped when they outnumber the live ones (the order is kept)."""
+
+    def __init__(self, namespace: str, key_tokens: int):
+        self.namespace = namespace
+        self.key_bytes = key_tokens * TOKEN_BYTES
+        self._sequences: dict[int, bytes] = {}  # entry id -> its tokens' int64 bytes
+        self._positions: dict[bytes, list[int]] = {}  # key -> filed positions
+        self._num_live = self._num_dead = 0
+
+    @classmethod
+    def holding(cls, namespace: str, key_tokens: int, entries) -> "SequenceIndex":
+        """An index of ``entries`` (the namespace's among them), filed in insertion order:
+        what an index kept since the store's start would hold now."""
+        index = cls(namespace, key_tokens)
+        for entry in sorted(entries, key=lambda e: e.entry_id):
+            index.added(entry)
+        return index
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def added(self, entry) -> None:
+        if entry.namespace != self.namespace:
+            return
+        data = entry.token_bytes
+        self._sequences[entry.entry_id] = data
+        code, width, positions = entry.entry_id << _POSITION_BITS, self.key_bytes, self._positions
+        for end in range(width, len(data), TOKEN_BYTES):  # every position with a token after it
+            key = data[end - width:end]
+            filed = positions.get(key)
+            if filed is None:
+                positions[key] = [code | end // TOKEN_BYTES]
+            else:
+                filed.append(code | end // TOKEN_BYTES)
+        self._num_live += max(0, len(data) // TOKEN_BYTES - width // TOKEN_BYTES)
+
+    def removed(self, entry) -> None:
+        data = self._sequences.pop(entry.entry_id, None) if entry.namespace == self.namespace else None
+        if data is None:
+            return
+        filed = max(0, len(data) // TOKEN_BYTES - self.key_bytes // TOKEN_BYTES)
+        self._num_live -= filed
+        self._num_dead += filed
+        if self._num_dead > max(self._num_live, 4096):
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._sequences
+        kept = {}
+        for key, filed in self._positions.items():
+            filed = [code for code in filed if code >> _POSITION_BITS in live]
+            if filed:
+                kept[key] = filed
+        self._positions, self._num_dead = kept, 0
+
+    def occurrences(self, key: bytes, limit: int) -> list[tuple[bytes, int]]:
+        """Up to ``limit`` (sequence bytes, position) filed under ``key``, newest first."""
+        filed = self._positions.get(key)
+        if not filed:
+            return []
+        found, sequences = [], self._sequences
+        for code in reversed(filed):
+            data = sequences.get(code >> _POSITION_BITS)
+            if data is not None:
+                found.append((data, code & 0xFFFFFFFF))
+                if len(found) == limit:
+                    break
+        return found
+
+
+# -- one request's drafter ------------------------------------------------------------
+def match_length(source: bytes | bytearray, position: int, context: bytes | bytearray, length: int,
+                 known: int, limit: int) -> int:
+    """How many tokens before ``position`` of ``source`` equal the last of the first
+    ``length`` tokens of ``context``: ``known`` at least (already compared), at most
+    ``limit``. Gallops, then halves: a short match costs one comparison."""
+    w = TOKEN_BYTES
+    low, high, step = known, min(limit, position, length), 1
+    while low < high:
+        m = min(low + step, high)
+        if source[w * (position - m):w * position] == context[w * (length - m):w * length]:
+            low, step = m, step * 2
+        else:
+            high = m - 1
+            break
+    while low < high:
+        m = (low + high + 1) // 2
+        if source[w * (position - m):w * position] == context[w * (length - m):w * length]:
+            low = m
+        else:
+            high = m - 1
+    return low
+
+
+def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float) -> tuple[list[int], float]:
+    """The draft along the most frequent of the continuations (int64 bytes; ties: the
+    earlier one), stopping before a token fewer than ``min_prob`` of all continuations
+    follow, at most ``cap`` tokens; and the share of them that follow its first token (0:
+    no draft). Equal continuations are walked as one, weighted by their number."""
+    w = TOKEN_BYTES
+    groups: dict[bytes, int] = {}  # in first-seen order, so ties still go to the earlier candidate
+    for c in continuations:
+        groups[c] = groups.get(c, 0) + 1
+    total = len(continuations)
+    alive = list(groups.items())
+    draft, first_share = bytearray(), 0.0
+    for depth in range(cap):
+        if len(alive) == 1:  # one continuation left, followed by a share that no longer falls: the rest of it
+            c, count = alive[0]
+            if depth == 0:
+                first_share = count / total if c else 0.0
+            draft += c[depth * w:cap * w]
+            break
+        at, counts = slice(depth * w, depth * w + w), {}
+        for c, count in alive:
+            if len(c) > depth * w:
+                token = c[at]
+                counts[token] = counts.get(token, 0) + count
+        if not counts:
+            break
+        token, count = max(counts.items(), key=lambda item: item[1])  # max keeps the first of equals
+        if count < min_prob * total:
+            break
+        if depth == 0:
+            first_share = count / total
+        draft += token
+        alive = [(c, n) for c, n in alive if len(c) > depth * w and c[at] == token]
+    return np.frombuffer(bytes(draft), dtype=np.int64).tolist(), first_share
+
+
+class SuffixDrafter:
+    """The store drafter over one request (``rakv.drafters.Drafter``). Its sequence only
+    grows, so each length is looked up once (the first time it is asked, at its round's
+    planning: ``SuffixColumns``), however many times it is asked for."""
+
+    name = SUFFIX
+
+    def __init__(self, store: SequenceIndex | None, config: SuffixConfig = SuffixConfig(), max_k: int = 16):
+        self.store, self.config, self.max_k = store, config, max_k
+        self._context = bytearray()  # the request's tokens so far, int64 bytes
+        self._own: dict[bytes, list[int]] = {}  # key -> positions of the request's own tokens
+        self._memo: tuple[int, list[int], int] = (-1, [], 0)  # (length, proposal up to max_k, signal)
+
+    def lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
+        """(the proposal after the first ``length`` tokens, up to ``max_k``; its signal)."""
+        if self._memo[0] != length:
+            self._memo = (length, *self._lookup(tokens, length))
+        return self._memo[1], self._memo[2]
+
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
+        return self.lookup(seq, len(seq))[0][:k]
+
+    def signal(self, seq: Sequence[int]) -> int:
+        return self.lookup(seq, len(seq))[1]
+
+    def rollback(self, num_valid: int) -> None:
+        pass  # the true sequence of a given length never changes
+
+    def _extend(self, tokens: Sequence[int], length: int) -> None:
+        """File the request's own positions up to ``length`` tokens (each with a token after it)."""
+        w, width = TOKEN_BYTES, self.config.key_tokens * TOKEN_BYTES
+        known = len(self._context) // w
+        if length <= known:
+            return
+        self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
+        context, own = self._context, self._own
+        for end in range(max(width, known * w), (length - 1) * w + 1, w):
+            key = bytes(context[end - width:end])
+            filed = own.get(key)
+            if filed is None:
+                own[key] = [end // w]
+            else:
+                filed.append(end // w)
+        # the newest position (length) has no token after it yet: it is filed at the next extension
+
+    def _lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
+        config, w = self.config, TOKEN_BYTES
+        n = config.key_tokens
+        self._extend(tokens, length)
+        if length < n:
+            return [], 0
+        context = self._context
+        key = bytes(context[(length - n) * w:length * w])
+        # the request's own positions known at ``length`` (a replay may look an earlier length up
+        # after a later one), their continuations cut there; then the store's
+        own = [p for p in reversed(self._own.get(key, ())) if p < length][:config.max_candidates]
+        candidates = [(context, p, length) for p in own]
+        if self.store is not None and len(candidates) < config.max_candidates:
+            candidates += [(data, p, len(data) // w)
+                           for data, p in self.store.occurrences(key, config.max_candidates - len(candidates))]
+        if not candidates:
+            return [], 0
+        matches = [match_length(source, p, context, length, n, config.max_match) for source, p, _ in candidates]
+        best = max(matches)
+        cap = min(self.max_k, max(1, int(config.spec_factor * best)))
+        continuations = [bytes(source[p * w:min(p + cap, end) * w])
+                         for (source, p, end), m in zip(candidates, matches) if m == best]
+        draft, first_share = walk_continuations(continuations, cap, config.min_prob)
+        return draft, suffix_signal(best, len(continuations), first_share) if draft else 0
+
+
+class SuffixColumns:
+    """A store drafter's ``rakv.drafters.RunLengths`` columns over one request, each
+    position looked up when first read: the signal at t is read when the round at t is
+    planned, in the engine and in a replay alike, so both see the store as it stands then.
+    ``output``: the whole greedy output where it is known (a replay), which gives the run
+    lengths; the engine fills ``runs`` in as its output grows."""
+
+    def __init__(self, drafter: SuffixDrafter, tokens: Sequence[int], num_prompt: int, num_positions: int,
+                 output: Sequence[int] | None = None):
+        self.drafter, self.tokens, self.num_prompt = drafter, tokens, num_prompt
+        self._output = output
+        self._looked: dict[int, tuple[list[int], int]] = {}  # t -> (proposal, signal)
+        self.signals = _Column(self._signal)
+        self.proposed = _Column(self._proposed)
+        self.runs = _Column(self._run) if output is not None else [0] * num_positions
+
+    def materialized(self) -> RunLengths:
+        """Every position's run length, proposal length and signal, looked up now (those
+        read before keep what they were); a replay's columns only (the output is known)."""
+        num = len(self._output)
+        return RunLengths([self._run(t) for t in range(num)], [self._proposed(t) for t in range(num)],
+                          [self._signal(t) for t in range(num)])
+
+    def at(self, t: int) -> tuple[list[int], int]:
+        looked = self._looked.get(t)
+        if looked is None:
+            looked = self._looked[t] = self.drafter.lookup(self.tokens, self.num_prompt + t)
+        return looked
+
+    def proposal(self, t: int) -> list[int]:
+        return self.at(t)[0]
+
+    def _signal(self, t: int) -> int:
+        return self.at(t)[1]
+
+    def _proposed(self, t: int) -> int:
+        return len(self.proposal(t))
+
+    def _run(self, t: int) -> int:
+        proposal = self.proposal(t)
+        wanted = self._output[t:t + len(proposal)]
+        run = 0
+        for drafted, token in zip(proposal, wanted):
+            if drafted != token:
+                break
+            run += 1
+        return run
+
+
+class _Column:
+    """A read-only sequence whose item t is computed on demand."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, at):
+        self._at = at
+
+    def __getitem__(self, t: int):
+        return self._at(t)

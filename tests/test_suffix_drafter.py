@@ -1,0 +1,113 @@
+"""The store drafter: what it proposes from the store's sequences and the request's own,
+that the store's evictions leave its index, and that the engine's store-drafter rounds
+give the greedy output and replay exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy, policy_for
+from engine_checks import assert_rounds_replay, run_mix
+from rakv.controller import ControllerConfig, CostModelPolicy
+from rakv.store_model import ModelSizes, StoreConfig, StoreModel
+from rakv.suffix_drafter import SuffixConfig, SuffixDrafter, suffix_signal, walk_continuations
+
+NS = "target"
+SIZES = ModelSizes(kv_bytes_per_token=8, logits_bytes=8)
+BASE = np.random.default_rng(0).integers(100, 1000, 120).tolist()
+
+
+def store_of(*sequences, budget_bytes: int = 2**30) -> StoreModel:
+    store = StoreModel(StoreConfig(budget_bytes=budget_bytes))
+    for seq in sequences:
+        store.commit(store.plan_insert(NS, seq, (), SIZES))
+    return store
+
+
+def propose(store, tokens, config=SuffixConfig(), max_k=16):
+    index = store.sequences(NS, config.key_tokens) if store is not None else None
+    return SuffixDrafter(index, config, max_k).lookup(tokens, len(tokens))
+
+
+def test_the_longest_match_wins_and_its_continuation_is_proposed():
+    whole = [1, 2, 3] + BASE
+    edited = [9] + BASE[:40] + [7, 7] + BASE[40:]  # matches the query's last 10 tokens only
+    store = store_of(whole, edited)
+    query = [5, 5] + BASE[:50]
+    proposal, signal = propose(store, query)
+    assert proposal == BASE[50:66]  # the unedited sequence matches all 50 tokens: its continuation
+    assert signal == suffix_signal(50, 1, 1.0) == 4  # one match, 32 tokens or more
+    assert propose(store_of(edited), query) == (BASE[50:60], suffix_signal(10, 1, 1.0))  # at most 1 x the match
+
+
+def test_frequency_picks_the_continuation_and_a_rare_one_stops_the_draft():
+    context = BASE[:8]
+    store = store_of([1] + context + [11, 12, 13], [2] + context + [11, 12, 14], [3] + context + [21, 22, 23])
+    query = [4] + context
+    proposal, signal = propose(store, query)
+    assert proposal == [11, 12, 14]  # 2 of 3 follow 11, 12; then 14 and 13 tie and the newer wins
+    assert signal == suffix_signal(8, 3, 2 / 3) and signal > 8  # several matches that disagree
+    assert propose(store, query, SuffixConfig(min_prob=0.5)) == ([11, 12], signal)  # 1 of 3 follow 14
+    assert propose(store, query, SuffixConfig(min_prob=0.7)) == ([], 0)  # no first token reaches 0.7
+    assert walk_continuations([], 4, 0.1) == ([], 0.0)
+
+
+def test_the_request_itself_is_searched_first_and_never_its_future():
+    own = BASE[:30] + [3, 3] + BASE[:10]
+    drafter = SuffixDrafter(None)
+    assert drafter.lookup(own, len(own))[0] == BASE[10:20]  # prompt lookup's case, found without a store
+    assert drafter.lookup(own, 20)[0] == []  # looked up after a longer length: nothing after 20 is known
+    assert drafter.lookup(own, len(own))[0] == BASE[10:20]
+    fresh = SuffixDrafter(None)
+    assert fresh.lookup(own, 20) == ([], 0)
+
+
+def test_an_evicted_sequence_leaves_the_index():
+    first, second = [1] + BASE[:60], [2] + BASE[60:120]
+    entry_bytes = 61 * (8 + SIZES.kv_bytes_per_token)
+    store = store_of(first, budget_bytes=entry_bytes + 16)
+    index = store.sequences(NS, SuffixConfig().key_tokens)
+    assert propose(store, [9] + BASE[:20])[0] == BASE[20:36]
+    store.commit(store.plan_insert(NS, second, (), SIZES))  # evicts the first (LRU) to fit
+    assert store.num_evictions == 1 and len(index) == 1
+    assert propose(store, [9] + BASE[:20]) == ([], 0)
+    assert propose(store, [9] + BASE[60:80])[0] == BASE[80:96]
+
+
+def test_an_index_built_late_holds_what_one_kept_all_along_would():
+    sequences = [[i] + BASE[i * 7:i * 7 + 50] for i in range(8)]
+    early = StoreModel(StoreConfig(budget_bytes=3 * 51 * 16 + 8))  # holds three at a time
+    early_index = early.sequences(NS, 4)
+    for seq in sequences:
+        early.commit(early.plan_insert(NS, seq, (), SIZES))
+    late = store_of(*sequences, budget_bytes=3 * 51 * 16 + 8)
+    for start in range(0, 70, 5):
+        query = [0] + BASE[start:start + 12]
+        assert SuffixDrafter(early_index).lookup(query, len(query)) == propose(late, query)
+    assert len(early_index) == len(late.sequences(NS, 4)) == 3
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="key_tokens"):
+        SuffixConfig(key_tokens=0)
+    with pytest.raises(ValueError, match="min_prob"):
+        SuffixConfig(min_prob=0.0)
+
+
+def test_engine_drafts_from_an_earlier_request_and_replays_exactly(tiny_pair):
+    """A repeat after another request: the prefix store reuses its prompt, and only the
+    store drafter knows what followed it, so its rounds accept the whole output (the tiny
+    pair's random weights continue a prompt under another first token differently, so
+    an exact repeat is its one case); outputs stay greedy."""
+    prompt = tiny_pair.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    prompts = [prompt, tiny_pair.encode("# a\n") + prompt, prompt]
+    results, planners = run_mix(tiny_pair, "rakv", prompts, 24)
+    for p, result in zip(prompts, results):
+        assert list(result.output_ids) == hf_greedy(tiny_pair, p, 24)
+    later = [r for r in results[2].rounds if r.drafter == "suffix"]
+    assert sum(r.accepted for r in later) == 21 and len(later) == 2  # 16, then the 5 left before the cap
+    assert assert_rounds_replay(tiny_pair, prompts, results, planners, 24) >= len(later)
+    off = CostModelPolicy(policy_for("rakv", tiny_pair).timings, ControllerConfig(store_drafter=False))
+    without, _ = run_mix(tiny_pair, off, prompts, 24)
+    assert [r.output_ids for r in without] == [r.output_ids for r in results]
+    assert not any(r.drafter == "suffix" for result in without for r in result.rounds)
