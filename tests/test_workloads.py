@@ -16,7 +16,7 @@ import pytest
 from profiler import workloads as W
 from profiler.arrivals import poisson_arrivals_s
 from profiler.sharegpt import _TruncatedJsonArray
-from profiler.workloads import Workload, WorkloadError, WorkloadRequest, load_workload
+from profiler.workloads import CODE_HEADERS, Workload, WorkloadError, WorkloadRequest, load_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_SHAREGPT = Path(__file__).resolve().parent / "fixtures" / "sharegpt_truncated.json"
@@ -246,8 +246,25 @@ def test_poisson_arrivals():
 
 # --- errors ---------------------------------------------------------------------------------
 
+def test_code_repeat_asks_each_problem_again_under_other_headers_within_its_block():
+    workload = load_workload("code-repeat", 24, repeats=3, block=4)
+    requests = workload.requests
+    assert len(requests) == 24 and workload.config["repeats"] == 3
+    by_problem: dict[str, list] = {}
+    for r in requests:
+        by_problem.setdefault(r.group_id, []).append(r)
+    assert len(by_problem) == 8
+    for asks in by_problem.values():
+        assert [a.turn for a in asks] == [0, 1, 2]  # each problem's asks in order
+        body = asks[0].prompt
+        assert [a.prompt for a in asks] == [CODE_HEADERS[i] + body for i in range(3)]
+        assert max(a.request_id for a in asks) - min(a.request_id for a in asks) < 12  # within its block
+    with pytest.raises(WorkloadError, match="repeats must be within"):
+        load_workload("code-repeat", 4, repeats=9)
+
+
 def test_unknown_workload_and_option():
-    with pytest.raises(WorkloadError, match=r"^unknown workload 'nope'; known: humaneval, sharegpt") as err:
+    with pytest.raises(WorkloadError, match=r"^unknown workload 'nope'; known: humaneval, code-repeat, sharegpt") as err:
         load_workload("nope")
     assert "\n" not in str(err.value)
     with pytest.raises(WorkloadError, match="has no option 'hit_rate'; options: .*hit_ratio"):
