@@ -111,3 +111,25 @@ def test_engine_drafts_from_an_earlier_request_and_replays_exactly(tiny_pair):
     without, _ = run_mix(tiny_pair, off, prompts, 24)
     assert [r.output_ids for r in without] == [r.output_ids for r in results]
     assert not any(r.drafter == "suffix" for result in without for r in result.rounds)
+
+
+def test_a_recorded_trace_replays_its_store_drafter_rounds(tmp_path):
+    """Recorded live, replayed from the trace: the repeat of the fixture's first prompt drafts
+    from the store, and every run's rounds replay exactly (the store drafter's run lengths
+    are not in the trace; the replay looks them up over its own store model)."""
+    from profiler.record import main
+    from simulator.session import replay_runs, run_mismatch
+    from simulator.trace import load_trace
+    out = tmp_path / "tiny-code"
+    assert main(["--pair", "tiny", "--workload", "fixture-code", "--max-new-tokens", "16", "--runs-sample", "6",
+                 "--runs-max-new-tokens", "16", "--runs-max-wait-s", "0", "--runs-policies", "ar,rakv",
+                 "--out", str(out)]) == 0
+    trace = load_trace(out)
+    pairs = replay_runs(trace, "rakv")
+    assert len(pairs) == 6 and [run_mismatch(run, replayed) for run, replayed in pairs] == [None] * 6
+    repeat = next(run for run, _ in pairs if run.request_id == 4)
+    assert "suffix" in repeat.drafter_per_round and sum(
+        a for d, a in zip(repeat.drafter_per_round, repeat.accepted_per_round) if d == "suffix") >= 8
+    assert {r.policy for r in trace.runs} == {"ar", "rakv"}
+    assert main(["--pair", "tiny", "--workload", "fixture-code", "--runs-policies", "ar,nope",
+                 "--out", str(tmp_path / "bad")]) == 2
