@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rakv.drafters import SUFFIX, RunLengths
+from rakv.drafters import SUFFIX, RunLengths, matching_prefix_length
 TOKEN_BYTES = 8  # keys and sequences are int64 bytes, as the prefix index keeps them (``Entry.token_bytes``)
 _POSITION_BITS = 32  # a filed position is entry_id << 32 | p
 
@@ -89,7 +89,7 @@ class SequenceIndex:
 
     def __init__(self, namespace: str, key_tokens: int):
         self.namespace = namespace
-        self.key_bytes = key_tokens * TOKEN_BYTES
+        self.key_tokens = key_tokens
         self._sequences: dict[int, bytes] = {}  # entry id -> its tokens' int64 bytes
         self._positions: dict[bytes, list[int]] = {}  # key -> filed positions
         self._num_live = self._num_dead = 0
@@ -111,21 +111,15 @@ class SequenceIndex:
             return
         data = entry.token_bytes
         self._sequences[entry.entry_id] = data
-        code, width, positions = entry.entry_id << _POSITION_BITS, self.key_bytes, self._positions
-        for end in range(width, len(data), TOKEN_BYTES):  # every position with a token after it
-            key = data[end - width:end]
-            filed = positions.get(key)
-            if filed is None:
-                positions[key] = [code | end // TOKEN_BYTES]
-            else:
-                filed.append(code | end // TOKEN_BYTES)
-        self._num_live += max(0, len(data) // TOKEN_BYTES - width // TOKEN_BYTES)
+        file_positions(self._positions, data, self.key_tokens, 0, len(data) // TOKEN_BYTES,
+                       entry.entry_id << _POSITION_BITS)
+        self._num_live += max(0, len(data) // TOKEN_BYTES - self.key_tokens)
 
     def removed(self, entry) -> None:
         data = self._sequences.pop(entry.entry_id, None) if entry.namespace == self.namespace else None
         if data is None:
             return
-        filed = max(0, len(data) // TOKEN_BYTES - self.key_bytes // TOKEN_BYTES)
+        filed = max(0, len(data) // TOKEN_BYTES - self.key_tokens)
         self._num_live -= filed
         self._num_dead += filed
         if self._num_dead > max(self._num_live, 4096):
@@ -153,6 +147,21 @@ class SequenceIndex:
                 if len(found) == limit:
                     break
         return found
+
+
+def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_tokens: int, start: int, stop: int,
+                   code: int = 0) -> None:
+    """File positions ``start`` .. ``stop`` - 1 of the int64 bytes ``data`` (each with a
+    token after it: ``stop`` at most its length) under the ``key_tokens`` tokens before
+    each, as ``code | position``, in position order."""
+    w = TOKEN_BYTES
+    for p in range(max(start, key_tokens), stop):
+        key = bytes(data[(p - key_tokens) * w:p * w])
+        filed = table.get(key)
+        if filed is None:
+            table[key] = [code | p]
+        else:
+            filed.append(code | p)
 
 
 # -- one request's drafter ------------------------------------------------------------
@@ -245,19 +254,11 @@ class SuffixDrafter:
 
     def _extend(self, tokens: Sequence[int], length: int) -> None:
         """File the request's own positions up to ``length`` tokens (each with a token after it)."""
-        w, width = TOKEN_BYTES, self.config.key_tokens * TOKEN_BYTES
-        known = len(self._context) // w
+        known = len(self._context) // TOKEN_BYTES
         if length <= known:
             return
         self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
-        context, own = self._context, self._own
-        for end in range(max(width, known * w), (length - 1) * w + 1, w):
-            key = bytes(context[end - width:end])
-            filed = own.get(key)
-            if filed is None:
-                own[key] = [end // w]
-            else:
-                filed.append(end // w)
+        file_positions(self._own, self._context, self.config.key_tokens, known, length)
         # the newest position (length) has no token after it yet: it is filed at the next extension
 
     def _lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
@@ -326,13 +327,7 @@ class SuffixColumns:
 
     def _run(self, t: int) -> int:
         proposal = self.proposal(t)
-        wanted = self._output[t:t + len(proposal)]
-        run = 0
-        for drafted, token in zip(proposal, wanted):
-            if drafted != token:
-                break
-            run += 1
-        return run
+        return matching_prefix_length(proposal, self._output[t:t + len(proposal)])
 
 
 class _Column:
