@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,7 +91,9 @@ def run(args) -> int:
     bar.close()
     print(report(args, tallies))
     if args.json:
-        args.json.write_text(json.dumps({name: {**asdict(t), "tokens_per_s": t.tokens_per_s}
+        args.json.write_text(json.dumps({name: {"generated_tokens": t.generated_tokens, "wall_s": t.wall_s,
+                                                "mismatches": t.mismatches, "tokens_per_s": t.tokens_per_s,
+                                                "rounds": dict(t.rounds), "accepted": dict(t.accepted)}
                                          for name, t in tallies.items()}, indent=1))
     return 1 if any(t.mismatches for t in tallies.values()) else 0
 

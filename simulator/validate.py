@@ -22,11 +22,12 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
 from profiler.schema import TraceError
-from rakv.drafters import DRAFT_MODEL
+from rakv.drafters import DRAFT_MODEL, SUFFIX, RunLengths
 from rakv.cli import run_cli
 from simulator.costs import CostModelError, fit_op_costs, fit_overhead, with_overhead
 from simulator.session import SessionError, replay_runs, run_mismatch
@@ -101,15 +102,16 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def rounds_off_min_k_mt(run, request) -> int:
+def rounds_off_min_k_mt(run, lengths: Mapping[str, RunLengths]) -> int:
     """How many of a run's recorded rounds did not accept min(proposed, m_t) of their
     drafter, or proposed other than min(k, proposal length at t) (section 2 of the
     design: none may). Only the draft model may propose fewer: it stops on low
-    confidence (whether it should have is ``run_mismatch``'s check)."""
+    confidence (whether it should have is ``run_mismatch``'s check). ``lengths``: the
+    request's run lengths per drafter (the store drafter's, as its replay looked them up)."""
     off = 0
     for start, drafter, k, proposed, accepted in zip(run.start_per_round, run.drafter_per_round, run.k_per_round,
                                                      run.proposed_per_round, run.accepted_per_round):
-        at = request.lengths[drafter]
+        at = lengths[drafter]
         full = min(k, at.proposed[start])
         off += (accepted != min(proposed, at.runs[start]) or proposed > full
                 or (proposed < full and drafter != DRAFT_MODEL))
@@ -126,8 +128,14 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
     costs = fit_op_costs(trace.ops)
     elsewhere = [sample for other in fit_on for sample in _samples_of(other)]
     mismatches: dict[str, list[str]] = {}
+    lengths: dict[tuple[str, int], Mapping[str, RunLengths]] = {}  # (policy, request): its run lengths
     for policy in sorted({r.policy for r in trace.runs}):
-        mismatches[policy] = [m for run, replayed in replay_runs(trace, policy) if (m := run_mismatch(run, replayed))]
+        mismatches[policy] = []
+        for run, replayed in replay_runs(trace, policy):
+            if m := run_mismatch(run, replayed):
+                mismatches[policy].append(m)
+            store = {} if replayed.store_lengths is None else {SUFFIX: replayed.store_lengths}
+            lengths[policy, run.request_id] = {**trace.by_id[run.request_id].lengths, **store}
     runs = list(trace.runs)
     samples = {(run.policy, run.request_id): sample for run, sample in overhead_samples(trace, costs)}
     predicted: dict[tuple[str, int], tuple[float, float]] = {}
@@ -155,7 +163,7 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
                                                for r, u in zip(mine, usual)),
                                           len(mismatches[policy]),
                                           sum(r.num_rounds for r in mine),
-                                          sum(rounds_off_min_k_mt(r, trace.by_id[r.request_id]) for r in mine))
+                                          sum(rounds_off_min_k_mt(r, lengths[policy, r.request_id]) for r in mine))
     correlations = []
     for request_id in sorted({r.request_id for r in runs}):
         mine = [r for r in runs if r.request_id == request_id]
