@@ -9,18 +9,21 @@ the same n-grams recur across requests, so a lookup has many candidates to weigh
 ``--queries`` new requests are decoded token by token, a proposal looked up at every
 position, as the engine does at every round's planning. Prints per stored count: the
 median and p90 microseconds of a proposal, the share that proposed something, and the
-seconds per stored request of filing it. One process, one thread, nothing else timed.
+microseconds per stored request of filing it, and the index's own memory per stored position
+(traced as it is filed anew; the store's budget counts the tokens, not this). One
+process, one thread, nothing else timed.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+import tracemalloc
 
 import numpy as np
 
 from rakv.store_model import ModelSizes, StoreConfig, StoreModel
-from rakv.suffix_drafter import SuffixConfig, SuffixDrafter
+from rakv.suffix_drafter import SequenceIndex, SuffixConfig, SuffixDrafter
 
 NAMESPACE = "bench"
 VOCAB = 32_000
@@ -58,7 +61,11 @@ def measure(num_stored: int, num_tokens: int, num_queries: int, seed: int) -> di
             times_us.append((time.perf_counter() - start) * 1e6)
             proposed += bool(proposal)
     times = np.asarray(times_us)
-    return {"stored": num_stored, "median_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
+    tracemalloc.start()  # the index's own memory: the same index filed anew, allocations traced
+    SequenceIndex.holding(NAMESPACE, SuffixConfig().key_tokens, store.index.entries())
+    index_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"stored": num_stored, "bytes_per_position": index_bytes / (num_stored * num_tokens), "median_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
             "proposed_share": proposed / len(times), "file_us_per_request": fill_s / num_stored * 1e6,
             "num_lookups": len(times)}
 
@@ -82,11 +89,12 @@ def main(argv=None) -> int:
         print("error: --stored takes positive counts (100,1000), --tokens at least 8, --queries at least 1",
               file=sys.stderr)
         return 2
-    print(f"{'stored':>8} {'median us':>10} {'p90 us':>8} {'proposed':>9} {'filing us/request':>18}")
+    print(f"{'stored':>8} {'median us':>10} {'p90 us':>8} {'proposed':>9} {'filing us/request':>18} "
+          f"{'index bytes/position':>21}")
     for count in counts:
         row = measure(count, args.tokens, args.queries, args.seed)
         print(f"{row['stored']:>8} {row['median_us']:>10.1f} {row['p90_us']:>8.1f} {row['proposed_share']:>9.2f} "
-              f"{row['file_us_per_request']:>18.0f}")
+              f"{row['file_us_per_request']:>18.0f} {row['bytes_per_position']:>21.0f}")
     return 0
 
 
