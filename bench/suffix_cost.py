@@ -62,8 +62,9 @@ def measure(num_stored: int, num_tokens: int, num_queries: int, seed: int) -> di
             proposed += bool(proposal)
     times = np.asarray(times_us)
     tracemalloc.start()  # the index's own memory: the same index filed anew, allocations traced
-    SequenceIndex.holding(NAMESPACE, SuffixConfig().key_tokens, store.index.entries())
-    index_bytes = tracemalloc.get_traced_memory()[0]
+    filed = SequenceIndex.holding(NAMESPACE, SuffixConfig().key_tokens, store.index.entries())
+    index_bytes = tracemalloc.get_traced_memory()[0]  # held now, by ``filed``
+    del filed
     tracemalloc.stop()
     return {"stored": num_stored, "bytes_per_position": index_bytes / (num_stored * num_tokens), "median_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
             "proposed_share": proposed / len(times), "file_us_per_request": fill_s / num_stored * 1e6,

@@ -184,16 +184,19 @@ class RoundOracle(Session):
         lengths = self.lengths(request, (SUFFIX,) if self.inputs.controller.store_drafter else (), num_output)
         if SUFFIX in lengths:  # looked up at every position now, as the store stands at the request's start
             lengths = {**lengths, SUFFIX: lengths[SUFFIX].materialized()}
+        # r changes a schedule only through the draft's reused positions; the store drafter's
+        # run lengths change with the store's contents, so its schedules are kept for this call only
+        here: dict[tuple, tuple[ReplayedRound, ...]] = {}
         for r in (0, 1):
             for drafters in self.ready_sets:
                 ready = DRAFT_MODEL in drafters
                 reused = self.store.reuse_of(target, draft if ready else None, r)[1]
                 key = (request.request_id, max_new, drafters, reused, kept)
-                if key not in self._schedules or SUFFIX in drafters:  # r changes a schedule only through the
-                    # draft's reused positions; the store drafter's run lengths, through the store's contents
-                    self._schedules[key] = best_schedule(n, num_output, max_new, max_k, drafters, lengths,
-                                                         reused, kept, self.costs, self.inputs, self.overhead).rounds
-                rounds = self._schedules[key]
+                memo = here if SUFFIX in drafters else self._schedules
+                if key not in memo:
+                    memo[key] = best_schedule(n, num_output, max_new, max_k, drafters, lengths, reused, kept,
+                                              self.costs, self.inputs, self.overhead).rounds
+                rounds = memo[key]
                 action = Action(r, 1, DRAFT_MODEL if ready else NGRAM) if drafters else Action(r, 0)
                 outcome = self.store.preview(seq, n, target, draft if ready else None, r, rounds)
                 replayed = ReplayedRequest(request.request_id, action, features, outcome, drafters, True, rounds,
