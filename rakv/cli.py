@@ -45,8 +45,8 @@ def add_precision_arguments(parser) -> None:
 
 def add_pair_arguments(parser, default_pair: str) -> None:
     """What a command line runs (``rakv.generate``, ``rakv.serve``): ``--pair``, ``--policy``,
-    ``--strict``, ``--store``, ``--store-budget-mib``, ``--max-context``, the precision
-    arguments and ``--draft-layers``. Imports no torch."""
+    ``--strict``, ``--store``, ``--store-budget-mib``, ``--no-store-drafter``, ``--max-context``,
+    the precision arguments and ``--draft-layers``. Imports no torch."""
     from rakv.models import BUILTIN_PAIRS
     from rakv.policies import POLICY_HELP
     from rakv.store_model import STORE_MODES
@@ -61,6 +61,8 @@ def add_pair_arguments(parser, default_pair: str) -> None:
                              "or off")
     parser.add_argument("--store-budget-mib", type=float, default=512,
                         help="prefix store byte budget (default: 512 MiB)")
+    parser.add_argument("--no-store-drafter", action="store_true",
+                        help="rakv: do not draft from earlier requests' outputs held by the store")
     parser.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
     add_precision_arguments(parser)
     parser.add_argument("--draft-layers", type=int, default=4,

@@ -86,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     pair = load_pair(args.pair, args.dtype, args.max_context, args.draft_layers, args.linear_kernels, args.weights)
     timings = load_or_calibrate(pair, refresh=args.recalibrate) if fixed_action(args.policy) is None else None
     limit = None if args.memory_limit_mib is None else int(args.memory_limit_mib * 2**20)
-    policy = resolve_policy(args.policy, timings, ControllerConfig(memory_limit_bytes=limit), pair.target_fingerprint,
-                            pair.draft_fingerprint, args.pair, args.strict)
+    controller = ControllerConfig(memory_limit_bytes=limit, store_drafter=not args.no_store_drafter)
+    policy = resolve_policy(args.policy, timings, controller, pair.target_fingerprint, pair.draft_fingerprint,
+                            args.pair, args.strict)
     ngram = NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min)
     engine = Engine(pair, policy, EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store), ngram))
     requests = [(list(p.prompt_ids) if p.prompt_ids is not None else pair.encode(p.prompt),

@@ -278,8 +278,8 @@ def build_engine(args: argparse.Namespace):
 
     pair = load_pair(args.pair, None, args.max_context, args.draft_layers, args.linear_kernels, args.weights)
     timings = load_or_calibrate(pair) if fixed_action(args.policy) is None else None
-    policy = resolve_policy(args.policy, timings, ControllerConfig(), pair.target_fingerprint,
-                            pair.draft_fingerprint, args.pair, args.strict)
+    policy = resolve_policy(args.policy, timings, ControllerConfig(store_drafter=not args.no_store_drafter),
+                            pair.target_fingerprint, pair.draft_fingerprint, args.pair, args.strict)
     config = EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store))
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, int(args.memory_budget_mib * 2**20))
     return BatchEngine(pair, policy, config, batch)
