@@ -255,10 +255,11 @@ class AdaptiveRounds:
     prompt lookup after a 3-gram match is right most of the time, after a 1-gram match
     rarely, and with no match it has nothing to propose (signal 0, acceptance 0). An
     unseen signal starts from the policy's running estimate for it, else from
-    ``ngram_prior`` (prompt lookup) or the drafter's own estimate.
-    Prompt lookup is shadowed whenever it is ready and not drafting: after each round the
-    engine reports how much of its proposal the new tokens confirm, so a copy stretch is
-    noticed after one step and the estimate decays again once it ends.
+    ``ngram_prior`` (prompt lookup), ``suffix_prior`` (the store drafter) or the drafter's own estimate.
+    Prompt lookup and the store drafter are shadowed whenever they are ready and not
+    drafting: after each round the engine reports how much of each one's proposal the new
+    tokens confirm, so a copy stretch is noticed after one step and the estimate decays
+    again once it ends.
     """
 
     adaptive = True  # each round planned anew
