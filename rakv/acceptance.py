@@ -46,7 +46,7 @@ def with_store_drafter(lengths: Mapping[str, RunLengths], drafters: Sequence[str
     up, each position when its round is planned."""
     if SUFFIX not in drafters:
         return lengths
-    drafter = SuffixDrafter(store.sequences(namespace, config.key_tokens), config, MAX_DRAFT_LENGTH)
+    drafter = SuffixDrafter.over(store, namespace, config, MAX_DRAFT_LENGTH)
     output = tokens[num_prompt:num_prompt + num_output]
     return {**lengths, SUFFIX: SuffixColumns(drafter, tokens, num_prompt, num_output, output)}
 

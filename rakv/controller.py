@@ -21,8 +21,8 @@ from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, f
                           priced_actions, readied_drafters, usable_drafters)
 from rakv.cost_model import (Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context,
                              progress_by_k)
-from rakv.drafters import DRAFT_MODEL
-from rakv.suffix_drafter import SUFFIX, suffix_prior
+from rakv.drafters import DRAFT_MODEL, SUFFIX
+from rakv.suffix_drafter import suffix_prior
 from rakv.prefix_index import as_token_array
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
@@ -108,8 +108,8 @@ class CostModelPolicy:
         # EWMA of each drafter's per-token acceptance, from the calibration priors; and of
         # each (drafter, signal), which is where each request's rounds start from
         self.acceptance = {d: self.timings.prior(d) for d in drafters}
-        if self.config.store_drafter:  # its rounds start from its priors by signal (``initial_estimate``)
-            self.acceptance[SUFFIX] = suffix_prior(1)
+        if self.config.store_drafter:  # tracked, so its per-signal estimates carry across requests
+            self.acceptance[SUFFIX] = suffix_prior(1)  # (its rounds start from its priors by signal)
         self.signal_acceptance: dict[tuple[str, int], float] = {}
         self.seen: set[str] = set()  # drafters whose acceptance has been measured (see ControllerConfig.probe_margin)
         self._round_cost_memo: dict[tuple, RoundCosts] = {}

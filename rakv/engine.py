@@ -17,8 +17,7 @@ from transformers import DynamicCache
 from rakv.controller import Decision, Policy, RequestOutcome, request_features, start_request
 from rakv.cost_model import Action, RequestFeatures
 from rakv.decoding import DraftModelDrafter, crop_to, forward, greedy, speculative_round
-from rakv.drafters import DRAFT_MODEL, NGRAM, NgramDrafter, RunLengths, matching_prefix_length
-from rakv.suffix_drafter import SUFFIX, SuffixColumns, SuffixDrafter
+from rakv.drafters import DRAFT_MODEL, NGRAM, SUFFIX, NgramDrafter, RunLengths, matching_prefix_length
 from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore
 from rakv.models import ModelPair
@@ -26,6 +25,7 @@ from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.rounds import PlannedRounds, draft_cache_positions, walk
 from rakv.settings import EngineConfig
 from rakv.store_model import PrefixMatch
+from rakv.suffix_drafter import SuffixColumns, SuffixDrafter
 
 
 class RequestError(ValueError):
@@ -149,9 +149,8 @@ class Engine:
         if NGRAM in names:
             drafters[NGRAM] = NgramDrafter(self.config.ngram, max_k=MAX_DRAFT_LENGTH)
         if SUFFIX in names:
-            suffix = self.config.suffix
-            drafters[SUFFIX] = SuffixDrafter(self.store.model.sequences(self.pair.target_fingerprint, suffix.key_tokens),
-                                             suffix, MAX_DRAFT_LENGTH)
+            drafters[SUFFIX] = SuffixDrafter.over(self.store.model, self.pair.target_fingerprint, self.config.suffix,
+                                                  MAX_DRAFT_LENGTH)
         if DRAFT_MODEL in names:
             cache = self.store.restore(draft_match.entry, draft_reused) if draft_reused else GrowingCache()
             drafters[DRAFT_MODEL] = DraftModelDrafter(self.pair.draft, cache)

@@ -237,6 +237,12 @@ class SuffixDrafter:
         self._own: dict[bytes, list[int]] = {}  # key -> positions of the request's own tokens
         self._memo: tuple[int, list[int], int] = (-1, [], 0)  # (length, proposal up to max_k, signal)
 
+    @classmethod
+    def over(cls, store, namespace: str, config: SuffixConfig, max_k: int) -> "SuffixDrafter":
+        """A request's drafter over ``store``'s (a ``rakv.store_model.StoreModel``)
+        sequences in ``namespace``, the engine's and a replay's alike."""
+        return cls(store.sequences(namespace, config.key_tokens), config, max_k)
+
     def lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
         """(the proposal after the first ``length`` tokens, up to ``max_k``; its signal)."""
         if self._memo[0] != length:

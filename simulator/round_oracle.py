@@ -3,7 +3,8 @@ target step or a round of one ready drafter with any draft length k <= max_k, ch
 foresight of the recorded run lengths and priced by the simulator's costs. Imports no torch.
 
 Per request-level choice (r, the drafters it readies: none, prompt lookup, the draft
-model or both, and with the store drafter where ``controller.store_drafter`` is on) the schedule is a shortest path over the decode loop's states, and the
+model or both, and those with the store drafter where ``controller.store_drafter`` is
+on) the schedule is a shortest path over the decode loop's states, and the
 cheapest choice runs, the store as it stands (``StoreModel.preview`` changes nothing).
 It bounds what any round planner can reach on the trace: ``regret_vs_round_oracle``.
 

@@ -153,6 +153,13 @@ class Session:
                                   self.inputs.engine.suffix, request.token_ids, len(request.prompt_ids), num_output)
 
 
+def replayed_lengths(request: RecordedRequest, replayed: ReplayedRequest) -> dict[str, RunLengths]:
+    """The run lengths a replayed request ran with: the trace's, and the store drafter's
+    as its replay looked them up."""
+    store = {} if replayed.store_lengths is None else {SUFFIX: replayed.store_lengths}
+    return {**request.lengths, **store}
+
+
 def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool = False) -> Policy:
     """The named policy for the trace's pair and models, resolved as ``rakv.generate``
     resolves it (``rakv.policies``), calibrated and configured by ``inputs``; a learned

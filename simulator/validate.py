@@ -27,10 +27,10 @@ from typing import Mapping
 import numpy as np
 
 from profiler.schema import TraceError
-from rakv.drafters import DRAFT_MODEL, SUFFIX, RunLengths
+from rakv.drafters import DRAFT_MODEL, RunLengths
 from rakv.cli import run_cli
 from simulator.costs import CostModelError, fit_op_costs, fit_overhead, with_overhead
-from simulator.session import SessionError, replay_runs, run_mismatch
+from simulator.session import SessionError, replay_runs, replayed_lengths, run_mismatch
 from simulator.timing import overhead_samples
 from simulator.trace import load_trace
 
@@ -134,8 +134,7 @@ def validate(path: str | Path, fit_on: tuple[str | Path, ...] = ()) -> Fidelity:
         for run, replayed in replay_runs(trace, policy):
             if m := run_mismatch(run, replayed):
                 mismatches[policy].append(m)
-            store = {} if replayed.store_lengths is None else {SUFFIX: replayed.store_lengths}
-            lengths[policy, run.request_id] = {**trace.by_id[run.request_id].lengths, **store}
+            lengths[policy, run.request_id] = replayed_lengths(trace.by_id[run.request_id], replayed)
     runs = list(trace.runs)
     samples = {(run.policy, run.request_id): sample for run, sample in overhead_samples(trace, costs)}
     predicted: dict[tuple[str, int], tuple[float, float]] = {}

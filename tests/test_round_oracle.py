@@ -20,7 +20,7 @@ from simulator.costs import Overhead, request_cost
 from simulator.replay import main as replay_main
 from simulator.round_oracle import READY_SETS, best_schedule
 from simulator.schedule import schedule
-from simulator.session import ReplayedRequest, Session, output_length
+from simulator.session import ReplayedRequest, Session, output_length, replayed_lengths
 from simulator.timing import load_timing
 from simulator.trace import load_trace
 
@@ -85,12 +85,6 @@ def test_the_schedule_is_the_cheapest_of_all(seed):
         plain_s = best_schedule(n, num_output, max_new, 0, drafters, lengths, draft_reused, kept, timing.costs,
                                 inputs, overhead).decode_s
         assert got - plain == pytest.approx(best.decode_s - plain_s, rel=1e-9, abs=1e-12)
-
-
-def replayed_lengths(request, replayed) -> dict:
-    """The run lengths a replayed request ran with: the trace's, and the store drafter's."""
-    extra = {"suffix": replayed.store_lengths} if replayed.store_lengths is not None else {}
-    return {**request.lengths, **extra}
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
