@@ -36,8 +36,9 @@ from rakv.weights import FP32
 # Bump when an engine change moves what an op costs or how it is measured (v8: KV caches
 # append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step;
 # v10: layers run as plain calls, rakv.direct_forward; v11: rotary embedding on the C
-# library in every mode, rakv.layer_kernel; the quantized modes' key names the library).
-CALIBRATION_VERSION = 11
+# library in every mode, rakv.layer_kernel; the quantized modes' key names the library;
+# v12: a verification of 3 drafts timed too, OpGrid.verify_k).
+CALIBRATION_VERSION = 12
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
 PRIORS_BUDGET_S = 10.0  # about what the priors' decode steps may take (Qwen 1.5B fp32: 0.45 s a step)

@@ -47,7 +47,10 @@ class OpGrid:
     prefill_new: tuple[int, ...] = (8, 32, 128)
     prefill_cached: tuple[int, ...] = (0, 256)
     decode_context: tuple[int, ...] = (16, 256)
-    verify_k: tuple[int, ...] = (1, 2, 4, 8, 16)
+    # k = 3 as well: a 4-row forward is not the mean of a 3 and a 5-row one where the kernel
+    # runs rows in passes (AVX2 int4: 1-4 rows one pass, 5-8 two; Qwen's 4 rows 1.08
+    # steps, 3 rows 1.01, 5 rows 1.53), and the cost model interpolates between these
+    verify_k: tuple[int, ...] = (1, 2, 3, 4, 8, 16)
     verify_context: tuple[int, ...] = (16,)
     store_tokens: tuple[int, ...] = (128,)
     ngram_history: tuple[int, ...] = (1024,)
@@ -77,7 +80,7 @@ CALIBRATION_GRID = OpGrid()
 # on the way to 256, and the line priced 116-205-token prefills 5-10 % high; 160 and 192.
 RECORDING_GRID = OpGrid(prefill_new=(1, 2, 3, 4, 6, 8, 12, 13, 16, 24, 25, 32, 64, 96, 128, 160, 192, 256, 512),
                         prefill_cached=(0, 256, 1024),
-                        decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 4, 6, 8, 12, 16),
+                        decode_context=(16, 256, 1024, 2048), verify_k=(1, 2, 3, 4, 6, 8, 12, 16),
                         verify_context=(128, 1024), store_tokens=(128, 1024),
                         ngram_history=(256, 2048), warmup=2, repeats=5)
 # A serving recording's grid: a few points of each batch-1 op, and the batched forwards of
@@ -96,6 +99,12 @@ SERVING_GRID = OpGrid(prefill_new=(1, 4, 16, 64, 128), prefill_cached=(0, 256), 
 # prices it, and the calibration stays under a minute (Qwen 1.5B int4 on the AVX2 path: a
 # 128-token prefill 3.5-5.6 s).
 LONG_POINT_S = 2.0
+# Nor does it prefill a context (untimed, before the points after it) that it guesses
+# would take longer than this, from the model's first prefill: on the portable kernels
+# (0.57 s a Qwen 1.5B token) the 256-token context and the store's 129-token entry were
+# most of a 9-minute calibration. Its points are left out (the cost model's lines through
+# the shorter contexts price them), and the store's entry is made as long as fits.
+LONG_FILL_S = 8.0
 
 
 class OpTimer:
@@ -130,6 +139,13 @@ class PointTimer:
         self.grid, self.timer, self.done, self.before, self.only = grid, timer, done, before, only
         self.repeats = range(grid.repeats) if repeats is None else repeats
         self.slow_s = slow_s  # a first warm-up this slow is the point's timing (a calibration's, not a recording's)
+        self.fill_s_per_token: dict[str, float] = {}  # per model role: its first prefill's, the guess of a fill
+
+    def longest_fill(self, role: str) -> float:
+        """The longest context this prefills for the role's points: a calibration's guessed
+        to fill within LONG_FILL_S once the role's first prefill is timed; a recording's any."""
+        per_token_s = self.fill_s_per_token.get(role, 0.0)
+        return LONG_FILL_S / per_token_s if self.slow_s is not None and per_token_s > 0 else float("inf")
 
     def too_long(self, guess_s: float) -> bool:
         """Whether a point guessed to take ``guess_s`` is left out: in a calibration (``slow_s``
@@ -182,11 +198,16 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
         length = cache.get_seq_length()
         return lambda: (forward(model, cache, token_ids, num_logits), crop_to(cache, length))
 
-    def cache_of(num_cached: int) -> GrowingCache:
+    def cache_of(num_cached: int) -> GrowingCache | None:
+        """The prefilled context, or None where a calibration leaves it out (kept so for
+        its later passes)."""
         if (role, num_cached) not in caches:
-            caches[role, num_cached] = GrowingCache()
-            if num_cached:
-                forward(model, caches[role, num_cached], tokens[:num_cached])
+            caches[role, num_cached] = None
+            shortest = min(points.grid.decode_context + points.grid.verify_context)  # a step and a verify, always
+            if num_cached <= max(points.longest_fill(role), shortest):
+                caches[role, num_cached] = GrowingCache()
+                if num_cached:
+                    forward(model, caches[role, num_cached], tokens[:num_cached])
         return caches[role, num_cached]
 
     with torch.inference_mode():
@@ -194,18 +215,24 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
         for c in points.grid.prefill_cached:
             per_token_s = 0.0  # the last prefill's at this context, for a calibration's guess of the next
             for n in points.grid.prefill_new:
-                if c + n >= max_positions or points.too_long(per_token_s * n):
+                if c + n >= max_positions or points.too_long(per_token_s * n) or cache_of(c) is None:
                     continue
                 for row in points(after(cache_of(c), tokens[c:c + n]),
                                   **_row(role, "prefill", n, c, num_bytes=n * kv_bytes)):
                     per_token_s = row.seconds / n
+                    points.fill_s_per_token.setdefault(role, per_token_s)
                     yield row
         for c in points.grid.decode_context:
-            if c + 1 < max_positions:
+            if c + 1 < max_positions and cache_of(c) is not None:
                 yield from points(after(cache_of(c), tokens[c:c + 1]), **_row(role, "decode", 1, c))
         for c in points.grid.verify_context:
             for k in points.grid.verify_k:
-                if c + k + 1 < max_positions:
+                # k + 1 rows cost at most k + 1 prefilled tokens: where that is slow, the
+                # cost model's line through the smaller k prices the rest (the least k is
+                # always timed: a calibration needs a verify)
+                if c + k + 1 < max_positions and cache_of(c) is not None and (
+                        k == points.grid.verify_k[0]
+                        or not points.too_long(points.fill_s_per_token.get(role, 0.0) * (k + 1))):
                     yield from points(after(cache_of(c), tokens[c:c + k + 1], k + 1),
                                        **_row(role, "verify", k + 1, c, k=k))
         for c in points.grid.batch_context:
@@ -244,6 +271,8 @@ def measure_store(model, points: PointTimer, max_positions: int, caches: dict) -
 
     with torch.inference_mode():
         for num in points.grid.store_tokens:
+            if num + 1 > points.longest_fill("target"):  # as long as a calibration fills (its cost is per byte)
+                num = max(int(points.longest_fill("target")) - 1, 1)
             if num + 1 >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
@@ -279,9 +308,11 @@ def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = froz
     ``before`` goes before each timed op (a recording's ``MachineSpeed.wait``); what it
     returns is the row's ``probe_s``. ``slow_s``, ``only``: see ``PointTimer``. ``caches``: a dict
     the caller keeps across passes, so that each prefilled context is prefilled once (a
-    256-token one costs seconds where forwards are slow)."""
+    256-token one costs seconds where forwards are slow), and a calibration's later passes
+    leave out the contexts its first left out."""
     points = PointTimer(grid, OpTimer(device), done, repeats, before, slow_s, only)
     caches = {} if caches is None else caches
+    points.fill_s_per_token = caches.setdefault("fill s per token", {})  # a later pass times no first prefill
     yield from measure_model(pair.target, "target", points, pair.max_positions, caches)
     if pair.draft is not None:
         yield from measure_model(pair.draft, "draft", points, pair.max_positions, caches)

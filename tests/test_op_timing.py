@@ -1,0 +1,48 @@
+"""The op-timing grid where every forward is slow: what a calibration leaves out so that it
+stays under a minute, and that a recording leaves out nothing."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rakv import op_timing
+from rakv.op_timing import CALIBRATION_GRID, LONG_FILL_S, measure_pair
+
+OP_S = 1.0  # every timed op takes this long: a slow machine (an 8-token prefill, 0.125 s a token)
+# the calibration's grid with its long contexts within the tiny pair's 256 positions
+GRID = dataclasses.replace(CALIBRATION_GRID, prefill_cached=(0, 128), decode_context=(16, 128))
+
+
+@pytest.fixture
+def slow_ops(monkeypatch):
+    def seconds(self, fn):
+        fn()
+        return OP_S
+    monkeypatch.setattr(op_timing.OpTimer, "seconds", seconds)
+
+
+def test_a_slow_calibration_leaves_out_what_it_guesses_too_long_to_fill_or_run(tiny_pair, slow_ops):
+    caches = {}
+    rows = list(measure_pair(tiny_pair, GRID, repeats=range(1), slow_s=0.5, caches=caches))  # a first pass
+    longest = LONG_FILL_S / (OP_S / GRID.prefill_new[0])  # 64 tokens
+    target = [r for r in rows if r.model == "target"]
+    assert {r.num_cached_tokens for r in target if r.op == "prefill"} == {0}  # 128 not filled
+    assert {r.num_new_tokens for r in target if r.op == "prefill"} == {8}  # 32 guessed 4 s, past LONG_POINT_S
+    assert {r.num_cached_tokens for r in target if r.op == "decode"} == {16}
+    assert {r.k for r in target if r.op == "verify"} == {1, 2, 3, 4, 8}  # 17 rows guessed 2.1 s
+    assert caches["target", 128] is None and caches["draft", 128] is None
+    assert {r.num_new_tokens for r in rows if r.model == "store"} == {int(longest) - 1}
+    # a later pass fills nothing the first left out
+    filled = {key for key, cache in caches.items() if cache is not None}
+    list(measure_pair(tiny_pair, GRID, repeats=range(1, 2), slow_s=0.5, caches=caches,
+                      only=frozenset(r.key[:-1] + (1,) for r in rows)))
+    assert {key for key, cache in caches.items() if cache is not None} == filled
+
+
+def test_a_recording_times_every_point_however_slow(tiny_pair, slow_ops):
+    rows = list(measure_pair(tiny_pair, GRID, repeats=range(1)))
+    target = [r for r in rows if r.model == "target"]
+    assert {r.num_cached_tokens for r in target if r.op == "prefill"} == set(GRID.prefill_cached)
+    assert {r.k for r in target if r.op == "verify"} == set(GRID.verify_k)
+    assert {r.num_new_tokens for r in rows if r.model == "store"} == set(GRID.store_tokens)
