@@ -1,4 +1,5 @@
-"""The simulator, the policy and the torch-free parts of rakv must import without torch."""
+"""The simulator and the policy (every module of each) and the decision core of rakv must
+import without torch."""
 from __future__ import annotations
 
 import subprocess
@@ -7,13 +8,22 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-TORCH_FREE_MODULES = ("simulator, simulator.trace, simulator.session, policy, rakv.prefix_index, rakv.store_model, "
-                      "rakv.controller, rakv.cost_model, rakv.acceptance, rakv.round_planner, rakv.step_load, rakv.settings, "
-                      "rakv.suffix_drafter, rakv.drafters, rakv.choices, "
-                      "rakv.prompt_file, rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
-                      "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
-                      "profiler.serve_summary, simulator.batch_replay, simulator.step_costs, simulator.serve_sim, "
-                      "simulator.serve_validate, simulator.load_replay")
+TORCH_FREE_PACKAGES = ("simulator", "policy")  # every module of each, found on disk: a new one is checked too
+TORCH_FREE_RAKV = ("rakv.prefix_index, rakv.store_model, rakv.controller, rakv.cost_model, rakv.acceptance, "
+                   "rakv.round_planner, rakv.step_load, rakv.settings, rakv.suffix_drafter, rakv.drafters, "
+                   "rakv.choices, rakv.learned, rakv.learned_rounds, rakv.policies, rakv.trees, rakv.prompt_file, "
+                   "rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
+                   "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
+                   "profiler.serve_summary")
+
+
+def _package_modules() -> list[str]:
+    return [name for package in TORCH_FREE_PACKAGES
+            for name in [package] + [f"{package}.{path.stem}" for path in sorted((REPO_ROOT / package).glob("*.py"))
+                                     if path.stem != "__init__"]]
+
+
+TORCH_FREE_MODULES = ", ".join(_package_modules()) + ", " + TORCH_FREE_RAKV
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
