@@ -135,11 +135,13 @@ class PointTimer:
 
     def __init__(self, grid: OpGrid, timer: OpTimer, done: frozenset = frozenset(), repeats: range | None = None,
                  before: Callable[[], float | None] = lambda: None, slow_s: float | None = None,
-                 only: frozenset | None = None):
+                 only: frozenset | None = None, fill_s_per_token: dict[str, float] | None = None):
         self.grid, self.timer, self.done, self.before, self.only = grid, timer, done, before, only
         self.repeats = range(grid.repeats) if repeats is None else repeats
         self.slow_s = slow_s  # a first warm-up this slow is the point's timing (a calibration's, not a recording's)
-        self.fill_s_per_token: dict[str, float] = {}  # per model role: its first prefill's, the guess of a fill
+        # per model role, its first prefill's seconds per token: the guess of a fill (a
+        # calibration's later passes time no first prefill, so they are handed the first's)
+        self.fill_s_per_token = {} if fill_s_per_token is None else fill_s_per_token
 
     def longest_fill(self, role: str) -> float:
         """The longest context this prefills for the role's points: a calibration's guessed
@@ -231,7 +233,7 @@ def measure_model(model, role: str, points: PointTimer, max_positions: int, cach
                 # cost model's line through the smaller k prices the rest (the least k is
                 # always timed: a calibration needs a verify)
                 if c + k + 1 < max_positions and cache_of(c) is not None and (
-                        k == points.grid.verify_k[0]
+                        k == min(points.grid.verify_k)
                         or not points.too_long(points.fill_s_per_token.get(role, 0.0) * (k + 1))):
                     yield from points(after(cache_of(c), tokens[c:c + k + 1], k + 1),
                                        **_row(role, "verify", k + 1, c, k=k))
@@ -270,9 +272,10 @@ def measure_store(model, points: PointTimer, max_positions: int, caches: dict) -
     from rakv.prefix_index import as_token_array
 
     with torch.inference_mode():
+        longest = points.longest_fill("target")
         for num in points.grid.store_tokens:
-            if num + 1 > points.longest_fill("target"):  # as long as a calibration fills (its cost is per byte)
-                num = max(int(points.longest_fill("target")) - 1, 1)
+            if num + 1 > longest:  # as long as a calibration fills (its cost is per byte)
+                num = max(int(longest) - 1, 1)
             if num + 1 >= max_positions:
                 continue
             tokens = list(range(1, num + 1))
@@ -310,9 +313,9 @@ def measure_pair(pair, grid: OpGrid, device: str = "cpu", done: frozenset = froz
     the caller keeps across passes, so that each prefilled context is prefilled once (a
     256-token one costs seconds where forwards are slow), and a calibration's later passes
     leave out the contexts its first left out."""
-    points = PointTimer(grid, OpTimer(device), done, repeats, before, slow_s, only)
     caches = {} if caches is None else caches
-    points.fill_s_per_token = caches.setdefault("fill s per token", {})  # a later pass times no first prefill
+    points = PointTimer(grid, OpTimer(device), done, repeats, before, slow_s, only,
+                        fill_s_per_token=caches.setdefault("fill s per token", {}))
     yield from measure_model(pair.target, "target", points, pair.max_positions, caches)
     if pair.draft is not None:
         yield from measure_model(pair.draft, "draft", points, pair.max_positions, caches)
