@@ -66,7 +66,8 @@ def measure(num_stored: int, num_tokens: int, num_queries: int, seed: int) -> di
     index_bytes = tracemalloc.get_traced_memory()[0]  # held now, by ``filed``
     del filed
     tracemalloc.stop()
-    return {"stored": num_stored, "bytes_per_position": index_bytes / (num_stored * num_tokens), "median_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
+    return {"stored": num_stored, "bytes_per_position": index_bytes / (num_stored * num_tokens),
+            "median_us": float(np.median(times)), "p90_us": float(np.percentile(times, 90)),
             "proposed_share": proposed / len(times), "file_us_per_request": fill_s / num_stored * 1e6,
             "num_lookups": len(times)}
 

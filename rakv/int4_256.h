@@ -104,21 +104,28 @@ static inline void JOIN(block256_rows, SUFFIX)(const uint8_t *packed, const uint
     }
 }
 
-/* One copy per tile height, so each keeps its accumulators in registers. */
+/* One copy per tile height, so each keeps its accumulators in registers. Up to BOTH_ROWS
+ * rows run as one pass of both halves at once. More: the 256-bit VNNI paths take them a
+ * half at a time; AVX2 (SPLIT_ROWS) in passes of at most BOTH_ROWS, each over the block's
+ * weights (in L1 and L2 after the first), each as fast a row as a pass of 4 (5 rows: 4 +
+ * 1 takes as long as 3 + 2). Against a half at a time there: 0.85x at 5 rows, 0.76x at 6,
+ * 0.85x at 9 (rakv_int4_linear over Qwen's 1536 x 8960 and 8960 x 1536 Q4_K, streamed). */
 __attribute__((target(TARGET)))
 static void JOIN(block256, SUFFIX)(const uint8_t *packed, const uint8_t *a_step, const uint8_t *b_step,
                                    const uint16_t *a_unit, const uint16_t *b_unit, int shift, int groups,
                                    const int8_t *xq, const float *dx, const float *bx, int k,
                                    int rows, float *acc, int n) {
-#define BOTH(R) case R: JOIN(block256_both, SUFFIX)(packed, a_step, b_step, a_unit, b_unit, shift, groups, xq, dx, \
-                                                    bx, k, R, acc, n); break;
+#ifndef SPLIT_ROWS
+    if (rows > BOTH_ROWS) {
+        switch (rows) {
 #define PLANES(R) case R: JOIN(block256_rows, SUFFIX)(packed, a_step, b_step, a_unit, b_unit, shift, groups, xq, dx, \
                                                       bx, k, R, acc, n); break;
-#ifdef SPLIT_ROWS
-    /* AVX2: the rows in passes of at most BOTH_ROWS, each over the block's weights (in L1
-     * and L2 after the first), each as fast a row as a pass of 4 (5 rows: 4 + 1 takes as
-     * long as 3 + 2). Against a half at a time: 0.85x at 5 rows, 0.76x at 6, 0.85x at 9
-     * (rakv_int4_linear over Qwen's 1536 x 8960 and 8960 x 1536 Q4_K, streamed). */
+            PLANES(5) PLANES(6) PLANES(7) PLANES(8) PLANES(9)
+#undef PLANES
+        }
+        return;
+    }
+#endif
     static const signed char passes[TILE256 + 1][3] = {{0}, {1}, {2}, {3}, {4}, {3, 2}, {3, 3}, {4, 3}, {4, 4},
                                                        {3, 3, 3}};
     for (int p = 0, r0 = 0; p < 3 && passes[rows][p]; r0 += passes[rows][p++]) {
@@ -132,13 +139,6 @@ static void JOIN(block256, SUFFIX)(const uint8_t *packed, const uint8_t *a_step,
 #undef PASS
         }
     }
-#else
-    switch (rows) {
-        BOTH(1) BOTH(2) BOTH(3) BOTH(4) PLANES(5) PLANES(6) PLANES(7) PLANES(8) PLANES(9)
-    }
-#endif
-#undef BOTH
-#undef PLANES
 }
 
 #undef JOIN
