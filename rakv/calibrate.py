@@ -41,7 +41,12 @@ from rakv.weights import FP32
 CALIBRATION_VERSION = 12
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
-PRIORS_BUDGET_S = 10.0  # about what the priors' decode steps may take (Qwen 1.5B fp32: 0.45 s a step)
+PRIORS_BUDGET_S = 15.0  # about what the priors' forwards may take (Qwen 1.5B fp32: 0.45 s a step)
+# Where even the least priors would not fit the budget (the portable kernel path, whose
+# forward costs each row alone: Qwen 1.5B int4 1 s a row, so the three prompts' 40 prefill
+# rows alone take 40 s), the controller starts from these and learns each drafter's
+# acceptance from the first rounds (it probes the draft model while unmeasured)
+UNMEASURED_PRIORS = (0.5, 0.05)  # (draft model, ngram)
 SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the acceptance priors
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The history of the printing press begins in the fifteenth century, when",
@@ -55,12 +60,15 @@ def machine_id() -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
+def sample_prompts(pair: ModelPair) -> list[list[int]]:
+    return [pair.encode(text)[: pair.max_positions - PRIOR_TOKENS] for text in SAMPLE_PROMPTS]
+
+
 def acceptance_priors(pair: ModelPair, num_tokens: int = PRIOR_TOKENS) -> tuple[float, float]:
     """(draft model, ngram) agreement with the target's greedy continuations of built-in
     prompts: the fraction of positions whose next token the drafter proposes correctly."""
     draft_agree, ngram_agree = [], []
-    for text in SAMPLE_PROMPTS:
-        prompt = pair.encode(text)[: pair.max_positions - num_tokens]
+    for prompt in sample_prompts(pair):
         cache = GrowingCache()
         output = greedy(forward(pair.target, cache, prompt))
         while len(output) < num_tokens:
@@ -95,17 +103,26 @@ def calibrate(pair: ModelPair) -> PairTimings:
                 progress.update()
             if fast is None:  # the later passes time again only what the first timed quickly
                 fast = [row.key for row in rows if row.seconds < SLOW_POINT_S]
-        progress.set_postfix_str("acceptance priors")
         step_s = float(np.median([r.seconds for r in rows if r.model == "target" and r.op == "decode"] or [0.0]))
-        priors = acceptance_priors(pair, prior_tokens(step_s))
+        fill_s = caches.get("fill s per token", {})
+        num_tokens = prior_tokens([len(p) for p in sample_prompts(pair)], step_s, fill_s.get("target", 0.0),
+                                  fill_s.get("draft", 0.0) if pair.draft is not None else 0.0)
+        progress.set_postfix_str("acceptance priors" if num_tokens else "acceptance priors: too slow, the defaults")
+        priors = acceptance_priors(pair, num_tokens) if num_tokens else UNMEASURED_PRIORS
     return fit_timings(rows, *priors)
 
 
-def prior_tokens(step_s: float) -> int:
-    """Tokens of each sample prompt's continuation the priors take: 16, fewer where a step
-    is slow (each is a decode step of the target), so that they take about PRIORS_BUDGET_S."""
-    fit = int(PRIORS_BUDGET_S / (len(SAMPLE_PROMPTS) * step_s)) if step_s > 0 else PRIOR_TOKENS
-    return max(MIN_PRIOR_TOKENS, min(PRIOR_TOKENS, fit))
+def prior_tokens(prompt_lengths: list[int], step_s: float, target_fill_s: float, draft_fill_s: float) -> int:
+    """Tokens of each sample prompt's continuation the priors take: as many up to 16 as fit
+    PRIORS_BUDGET_S, or 0 where not even MIN_PRIOR_TOKENS do. Each prompt costs the target
+    a prefill and a decode step per token after the first, and the draft one teacher-forced
+    forward over prompt and continuation (times per token, from the calibration's first
+    prefill of each model)."""
+    def cost_s(num_tokens: int) -> float:
+        return sum(n * target_fill_s + (num_tokens - 1) * step_s + (n + num_tokens) * draft_fill_s
+                   for n in prompt_lengths)
+    fitting = [n for n in range(MIN_PRIOR_TOKENS, PRIOR_TOKENS + 1) if cost_s(n) <= PRIORS_BUDGET_S]
+    return max(fitting, default=0)
 
 
 def calibration_path(pair: ModelPair) -> Path:

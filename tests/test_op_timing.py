@@ -1,12 +1,13 @@
 """The op-timing grid where every forward is slow: what a calibration leaves out so that it
-stays under a minute, and that a recording leaves out nothing."""
+stays under a minute (its grid and its acceptance priors), and that a recording leaves out
+nothing."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from rakv import op_timing
+from rakv import calibrate, op_timing
 from rakv.op_timing import CALIBRATION_GRID, LONG_FILL_S, measure_pair
 
 OP_S = 1.0  # every timed op takes this long: a slow machine (an 8-token prefill, 0.125 s a token)
@@ -46,3 +47,17 @@ def test_a_recording_times_every_point_however_slow(tiny_pair, slow_ops):
     assert {r.num_cached_tokens for r in target if r.op == "prefill"} == set(GRID.prefill_cached)
     assert {r.k for r in target if r.op == "verify"} == set(GRID.verify_k)
     assert {r.num_new_tokens for r in rows if r.model == "store"} == set(GRID.store_tokens)
+
+
+def test_the_priors_take_as_many_tokens_as_fit_their_budget_or_none():
+    lengths = [13, 14, 13]  # the Qwen tokenizer's sample prompts
+    assert calibrate.prior_tokens(lengths, 0.0, 0.0, 0.0) == calibrate.PRIOR_TOKENS  # the tiny pair
+    assert calibrate.prior_tokens(lengths, 0.1, 0.03, 0.01) == calibrate.PRIOR_TOKENS  # AVX2 int4: 6.6 s
+    # fp32: 16 tokens would take 24.0 s, 9 take 14.1 s, 10 take 15.6 s
+    assert calibrate.prior_tokens(lengths, 0.45, 0.05, 0.02) == 9
+    assert calibrate.prior_tokens(lengths, 1.2, 1.0, 0.2) == 0  # portable: the prefills alone take 40 s
+
+
+def test_a_slow_calibration_starts_from_default_priors(tiny_pair, slow_ops):
+    timings = calibrate.calibrate(tiny_pair)
+    assert (timings.acceptance_prior, timings.ngram_acceptance_prior) == calibrate.UNMEASURED_PRIORS
