@@ -125,7 +125,11 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     num_preemptions: int = 0
-    _step_rows: dict = field(default_factory=dict)  # seq -> rows planned in the step being planned
+    # the step being planned: each running request's reservation in bytes (its cached
+    # positions and its planned rows), and their sum; kept as works are planned, requests
+    # admitted and preempted, so that a step's memory checks cost O(1) each
+    _held: dict = field(default_factory=dict)
+    _held_bytes: int = 0
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -147,17 +151,22 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         """The works of the next step (empty when nothing can run)."""
         budget = self.config.max_num_batched_tokens
-        self._step_rows = {}
+        self._held, self._held_bytes = {}, 0
+        for seq in self.running:
+            self._reserve(seq, seq.num_computed)
         works: list[Work] = []
         decoding = [seq for seq in self.running if not seq.prefilling]  # a prefill waits for the second pass
+        num_alive = len(decoding)  # those not preempted: a prefix of them (preemption takes the newest)
         planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
         for i, seq in enumerate(decoding):
-            if seq not in self.running or budget == 0:
-                continue  # a preempted one is gone
+            if i >= num_alive or budget == 0:
+                break
             rows = self._rows_for(seq, budget)
+            while num_alive and decoding[num_alive - 1] not in self._held:
+                num_alive -= 1
             if rows == 0:
-                continue  # it preempted itself
-            unplanned = sum(1 for later in decoding[i + 1:] if later in self.running)
+                break  # it preempted itself, and every one after it before
+            unplanned = num_alive - i - 1
             load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths))
             drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
@@ -182,13 +191,15 @@ class Scheduler:
                 break  # FCFS: nothing overtakes it; it runs when memory frees up
             self.waiting.popleft()
             self.running.append(seq)
+            self._reserve(seq, seq.num_computed + (work.rows if work is not None else 0))
             if work is not None:
                 works.append(work)
                 budget -= work.rows
         return works
 
     def _planned(self, work: Work) -> Work:
-        self._step_rows[work.seq] = work.rows
+        if work.seq in self._held:  # a waiting request's rows count from its admission
+            self._reserve(work.seq, work.rows)
         return work
 
     def _chunk(self, seq: Seq, budget: int) -> Work | None:
@@ -197,15 +208,16 @@ class Scheduler:
         return self._planned(Work(seq, PREFILL, chunk)) if self._fits(seq, chunk) else None
 
     # -- memory ------------------------------------------------------------------
-    def reserved_bytes(self, excluding: Seq | None = None) -> int:
-        """What the running requests hold (their caches' positions) and the rows planned
-        for them this step take."""
-        rows = self._step_rows  # a Seq hashes by identity (eq=False)
-        return sum(s.bytes_per_position * (s.num_computed + rows.get(s, 0)) for s in self.running
-                   if s is not excluding)
+    def _reserve(self, seq: Seq, num_positions: int) -> None:
+        num_bytes = seq.bytes_per_position * num_positions
+        self._held[seq] = self._held.get(seq, 0) + num_bytes  # a Seq hashes by identity (eq=False)
+        self._held_bytes += num_bytes
 
-    def _free_bytes(self, seq: Seq | None) -> int:
-        return self.config.memory_budget_bytes - self.reserved_bytes(excluding=seq) - self.store_bytes()
+    def _free_bytes(self, seq: Seq) -> int:
+        """What the budget leaves beside the store and the other running requests'
+        reservations (their caches' positions and the rows planned for them this step)."""
+        others = self._held_bytes - self._held.get(seq, 0)
+        return self.config.memory_budget_bytes - others - self.store_bytes()
 
     def _fits(self, seq: Seq, rows: int) -> bool:
         """Whether ``seq``'s caches can grow by ``rows`` positions beside the other running
@@ -232,6 +244,7 @@ class Scheduler:
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
+        self._held_bytes -= self._held.pop(seq, 0)
         seq.num_computed = 0
         # recomputed: all but the last token where it has output (that token is known), else the prompt
         seq.prefill_end = seq.num_tokens - 1 if seq.t > 0 else seq.num_tokens
