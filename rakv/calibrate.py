@@ -37,8 +37,9 @@ from rakv.weights import FP32
 # append in place, rakv.kv_cache; v9: timed in passes, verify rows over their own pass's step;
 # v10: layers run as plain calls, rakv.direct_forward; v11: rotary embedding on the C
 # library in every mode, rakv.layer_kernel; the quantized modes' key names the library;
-# v12: a verification of 3 drafts timed too, OpGrid.verify_k).
-CALIBRATION_VERSION = 12
+# v12: a verification of 3 drafts timed too, OpGrid.verify_k; v13: the later passes time
+# again (v12 timed one pass: their keys named the wrong field), so each point is a median of 3).
+CALIBRATION_VERSION = 13
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
 PRIORS_BUDGET_S = 15.0  # about what the priors' forwards may take (Qwen 1.5B fp32: 0.45 s a step)
@@ -96,13 +97,13 @@ def calibrate(pair: ModelPair) -> PairTimings:
     with tqdm(desc=f"calibrating {pair.name} ({pair.weights}) on this machine, once", unit=" op", file=sys.stderr,
               disable=None) as progress:
         for i, grid in enumerate(grids):
-            only = None if fast is None else frozenset(key[:-1] + (i,) for key in fast)
+            only = None if fast is None else frozenset(replace(row, repeat=i).key for row in fast)
             for row in measure_pair(pair, grid, device, repeats=range(i, i + 1), slow_s=SLOW_POINT_S,
                                     caches=caches, only=only):
                 rows.append(row)
                 progress.update()
             if fast is None:  # the later passes time again only what the first timed quickly
-                fast = [row.key for row in rows if row.seconds < SLOW_POINT_S]
+                fast = [row for row in rows if row.seconds < SLOW_POINT_S]
         step_s = float(np.median([r.seconds for r in rows if r.model == "target" and r.op == "decode"] or [0.0]))
         fill_s = caches.get("fill s per token", {})
         num_tokens = prior_tokens([len(p) for p in sample_prompts(pair)], step_s, fill_s.get("target", 0.0),

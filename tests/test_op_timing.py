@@ -37,7 +37,7 @@ def test_a_slow_calibration_leaves_out_what_it_guesses_too_long_to_fill_or_run(t
     # a later pass fills nothing the first left out
     filled = {key for key, cache in caches.items() if cache is not None}
     list(measure_pair(tiny_pair, GRID, repeats=range(1, 2), slow_s=0.5, caches=caches,
-                      only=frozenset(r.key[:-1] + (1,) for r in rows)))
+                      only=frozenset(dataclasses.replace(r, repeat=1).key for r in rows)))
     assert {key for key, cache in caches.items() if cache is not None} == filled
 
 
@@ -61,3 +61,18 @@ def test_the_priors_take_as_many_tokens_as_fit_their_budget_or_none():
 def test_a_slow_calibration_starts_from_default_priors(tiny_pair, slow_ops):
     timings = calibrate.calibrate(tiny_pair)
     assert (timings.acceptance_prior, timings.ngram_acceptance_prior) == calibrate.UNMEASURED_PRIORS
+
+
+def test_a_calibration_times_its_quick_points_in_every_pass(tiny_pair):
+    timed = []
+
+    def spy(*args, **kwargs):
+        for row in measure_pair(*args, **kwargs):
+            timed.append(row)
+            yield row
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "measure_pair", spy)
+        calibrate.calibrate(tiny_pair)
+    by_pass = [{dataclasses.replace(r, repeat=0).key for r in timed if r.repeat == i}
+               for i in range(CALIBRATION_GRID.repeats)]
+    assert by_pass[0] and by_pass[1] == by_pass[0] and by_pass[2] == by_pass[0]  # the tiny pair's points are all quick
