@@ -199,14 +199,24 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
         groups[c] = groups.get(c, 0) + 1
     total = len(continuations)
     alive = list(groups.items())
-    draft, first_share = bytearray(), 0.0
-    for depth in range(cap):
+    draft, first_share, depth = bytearray(), 0.0, 0
+    while depth < cap and alive:
         if len(alive) == 1:  # one continuation left, followed by a share that no longer falls: the rest of it
             c, count = alive[0]
             if depth == 0:
                 first_share = count / total if c else 0.0
             draft += c[depth * w:cap * w]
             break
+        # The tokens every alive continuation has next, the same in each (those of the
+        # least and the greatest, which bound the rest): followed by all that are alive,
+        # whose share passed min_prob where they parted from the others (at depth 0: all)
+        common = _common_tokens(min(c for c, _ in alive), max(c for c, _ in alive), depth, cap)
+        if common:
+            if depth == 0:
+                first_share = 1.0
+            draft += alive[0][0][depth * w:(depth + common) * w]
+            depth += common
+            continue
         at, counts = slice(depth * w, depth * w + w), {}
         for c, count in alive:
             if len(c) > depth * w:
@@ -221,7 +231,20 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
             first_share = count / total
         draft += token
         alive = [(c, n) for c, n in alive if len(c) > depth * w and c[at] == token]
+        depth += 1
     return np.frombuffer(bytes(draft), dtype=np.int64).tolist(), first_share
+
+
+def _common_tokens(low: bytes, high: bytes, depth: int, cap: int) -> int:
+    """Whole tokens from ``depth`` on, before ``cap``, that ``low`` and ``high`` share."""
+    w = TOKEN_BYTES
+    end = min(len(low), len(high), cap * w) // w
+    if low[depth * w:end * w] == high[depth * w:end * w]:
+        return max(end - depth, 0)
+    n = depth
+    while n < end and low[n * w:n * w + w] == high[n * w:n * w + w]:
+        n += 1
+    return n - depth
 
 
 class SuffixDrafter:
@@ -284,11 +307,20 @@ class SuffixDrafter:
                            for data, p in self.store.occurrences(key, config.max_candidates - len(candidates))]
         if not candidates:
             return [], 0
-        matches = [match_length(source, p, context, length, n, config.max_match) for source, p, _ in candidates]
-        best = max(matches)
+        # the longest match, and the candidates that reach it, in order: a candidate is
+        # measured only where it reaches the longest so far (one comparison rules it out)
+        best, longest = n, []
+        for candidate in candidates:
+            source, p, _ = candidate
+            if best > n and not (best <= p and source[(p - best) * w:p * w] == context[(length - best) * w:length * w]):
+                continue
+            m = match_length(source, p, context, length, best, config.max_match)
+            if m > best:
+                best, longest = m, [candidate]
+            else:
+                longest.append(candidate)
         cap = min(self.max_k, max(1, int(config.spec_factor * best)))
-        continuations = [bytes(source[p * w:min(p + cap, end) * w])
-                         for (source, p, end), m in zip(candidates, matches) if m == best]
+        continuations = [bytes(source[p * w:min(p + cap, end) * w]) for source, p, end in longest]
         draft, first_share = walk_continuations(continuations, cap, config.min_prob)
         return draft, suffix_signal(best, len(continuations), first_share) if draft else 0
 

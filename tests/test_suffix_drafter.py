@@ -52,6 +52,38 @@ def test_frequency_picks_the_continuation_and_a_rare_one_stops_the_draft():
     assert walk_continuations([], 4, 0.1) == ([], 0.0)
 
 
+def plain_walk(continuations, cap, min_prob):
+    """walk_continuations as its docstring says it, a token at a time (the spec its
+    common-prefix jumps are held to)."""
+    total, alive, draft, first_share = len(continuations), list(continuations), [], 0.0
+    for depth in range(cap):
+        counts = {}
+        for c in alive:
+            if len(c) > depth:
+                counts[c[depth]] = counts.get(c[depth], 0) + 1
+        if not counts:
+            break
+        token, count = max(counts.items(), key=lambda item: item[1])  # first seen of equals
+        if count < min_prob * total:
+            break
+        first_share = count / total if depth == 0 else first_share
+        draft.append(token)
+        alive = [c for c in alive if len(c) > depth and c[depth] == token]
+    return draft, first_share
+
+
+def test_the_walk_is_the_plain_walk_of_its_docstring():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        stem = rng.integers(0, 3, int(rng.integers(0, 6))).tolist()  # shared beginnings, small alphabet: ties
+        continuations = [(stem[:int(rng.integers(0, len(stem) + 1))] if rng.random() < 0.7 else [])
+                         + rng.integers(0, 3, int(rng.integers(0, 7))).tolist()
+                         for _ in range(int(rng.integers(1, 12)))]
+        cap, min_prob = int(rng.integers(1, 10)), float(rng.choice([0.0, 0.1, 0.3, 0.5]))
+        as_bytes = [np.asarray(c, dtype=np.int64).tobytes() for c in continuations]
+        assert walk_continuations(as_bytes, cap, min_prob) == plain_walk(continuations, cap, min_prob), continuations
+
+
 def test_the_request_itself_is_searched_first_and_never_its_future():
     own = BASE[:30] + [3, 3] + BASE[:10]
     drafter = SuffixDrafter(None)
