@@ -42,7 +42,7 @@ from rakv.weights import FP32
 CALIBRATION_VERSION = 13
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
-PRIORS_BUDGET_S = 15.0  # about what the priors' forwards may take (Qwen 1.5B fp32: 0.45 s a step)
+PRIORS_BUDGET_S = 20.0  # about what the priors' forwards may take (Qwen 1.5B fp32 on AVX2: 6-9 tokens)
 # Where even the least priors would not fit the budget (the portable kernel path, whose
 # forward costs each row alone: Qwen 1.5B int4 1 s a row, so the three prompts' 40 prefill
 # rows alone take 40 s), the controller starts from these and learns each drafter's
@@ -104,24 +104,23 @@ def calibrate(pair: ModelPair) -> PairTimings:
                 progress.update()
             if fast is None:  # the later passes time again only what the first timed quickly
                 fast = [row for row in rows if row.seconds < SLOW_POINT_S]
-        step_s = float(np.median([r.seconds for r in rows if r.model == "target" and r.op == "decode"] or [0.0]))
-        fill_s = caches.get("fill s per token", {})
-        num_tokens = prior_tokens([len(p) for p in sample_prompts(pair)], step_s, fill_s.get("target", 0.0),
-                                  fill_s.get("draft", 0.0) if pair.draft is not None else 0.0)
+        timings = fit_timings(rows)
+        num_tokens = prior_tokens([len(p) for p in sample_prompts(pair)], timings)
         progress.set_postfix_str("acceptance priors" if num_tokens else "acceptance priors: too slow, the defaults")
-        priors = acceptance_priors(pair, num_tokens) if num_tokens else UNMEASURED_PRIORS
-    return fit_timings(rows, *priors)
+        draft_prior, ngram_prior = acceptance_priors(pair, num_tokens) if num_tokens else UNMEASURED_PRIORS
+    return replace(timings, acceptance_prior=draft_prior, ngram_acceptance_prior=ngram_prior)
 
 
-def prior_tokens(prompt_lengths: list[int], step_s: float, target_fill_s: float, draft_fill_s: float) -> int:
+def prior_tokens(prompt_lengths: list[int], timings: PairTimings) -> int:
     """Tokens of each sample prompt's continuation the priors take: as many up to 16 as fit
-    PRIORS_BUDGET_S, or 0 where not even MIN_PRIOR_TOKENS do. Each prompt costs the target
-    a prefill and a decode step per token after the first, and the draft one teacher-forced
-    forward over prompt and continuation (times per token, from the calibration's first
-    prefill of each model)."""
+    PRIORS_BUDGET_S, or 0 where not even MIN_PRIOR_TOKENS do, priced by the calibration's
+    own fit: each prompt costs the target a prefill and a decode step per token after the
+    first, and the draft one teacher-forced forward over prompt and continuation."""
+    target, draft = timings.target, timings.draft
+
     def cost_s(num_tokens: int) -> float:
-        return sum(n * target_fill_s + (num_tokens - 1) * step_s + (n + num_tokens) * draft_fill_s
-                   for n in prompt_lengths)
+        return sum(target.prefill_s(n, 0) + (num_tokens - 1) * target.step_s(n)
+                   + (draft.prefill_s(n + num_tokens, 0) if draft is not None else 0.0) for n in prompt_lengths)
     fitting = [n for n in range(MIN_PRIOR_TOKENS, PRIOR_TOKENS + 1) if cost_s(n) <= PRIORS_BUDGET_S]
     return max(fitting, default=0)
 

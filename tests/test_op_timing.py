@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from rakv import calibrate, op_timing
+from rakv.cost_model import ModelTimings, PairTimings
 from rakv.op_timing import CALIBRATION_GRID, LONG_FILL_S, measure_pair
 
 OP_S = 1.0  # every timed op takes this long: a slow machine (an 8-token prefill, 0.125 s a token)
@@ -49,13 +50,21 @@ def test_a_recording_times_every_point_however_slow(tiny_pair, slow_ops):
     assert {r.num_new_tokens for r in rows if r.model == "store"} == set(GRID.store_tokens)
 
 
+def priced(step_s: float, target_per_token_s: float, draft_per_token_s: float) -> PairTimings:
+    """Timings whose forwards cost a step, and a prefill so much per token."""
+    def model(per_token_s: float) -> ModelTimings:
+        return ModelTimings(prefill_fixed_s=0.0, prefill_per_token_s=per_token_s, prefill_per_token_context_s=0.0,
+                            step_fixed_s=step_s, step_per_context_s=0.0, verify_per_token_s=0.0, kv_bytes_per_token=1)
+    return PairTimings(model(target_per_token_s), model(draft_per_token_s), 0.0, 0.0, 0.0)
+
+
 def test_the_priors_take_as_many_tokens_as_fit_their_budget_or_none():
     lengths = [13, 14, 13]  # the Qwen tokenizer's sample prompts
-    assert calibrate.prior_tokens(lengths, 0.0, 0.0, 0.0) == calibrate.PRIOR_TOKENS  # the tiny pair
-    assert calibrate.prior_tokens(lengths, 0.1, 0.03, 0.01) == calibrate.PRIOR_TOKENS  # AVX2 int4: 6.6 s
-    # fp32: 16 tokens would take 24.0 s, 9 take 14.1 s, 10 take 15.6 s
-    assert calibrate.prior_tokens(lengths, 0.45, 0.05, 0.02) == 9
-    assert calibrate.prior_tokens(lengths, 1.2, 1.0, 0.2) == 0  # portable: the prefills alone take 40 s
+    assert calibrate.prior_tokens(lengths, priced(0.0, 0.0, 0.0)) == calibrate.PRIOR_TOKENS  # the tiny pair
+    assert calibrate.prior_tokens(lengths, priced(0.1, 0.03, 0.01)) == calibrate.PRIOR_TOKENS  # AVX2 int4: 6.6 s
+    # fp32 on AVX2: 16 tokens would take 27.8 s, 10 take 18.9 s, 11 take 20.4 s
+    assert calibrate.prior_tokens(lengths, priced(0.45, 0.1, 0.04)) == 10
+    assert calibrate.prior_tokens(lengths, priced(1.2, 1.0, 0.2)) == 0  # portable: the prefills alone take 40 s
 
 
 def test_a_slow_calibration_starts_from_default_priors(tiny_pair, slow_ops):
