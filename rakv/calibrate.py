@@ -42,7 +42,7 @@ from rakv.weights import FP32
 CALIBRATION_VERSION = 13
 SLOW_POINT_S = 0.5  # a grid point this slow is timed once (see calibrate)
 PRIOR_TOKENS, MIN_PRIOR_TOKENS = 16, 6  # each sample's continuation for the priors, and its least
-PRIORS_BUDGET_S = 20.0  # about what the priors' forwards may take (Qwen 1.5B fp32 on AVX2: 6-9 tokens)
+PRIORS_BUDGET_S = 20.0  # about what the priors' forwards may take (Qwen 1.5B fp32 on AVX2: about 10 tokens)
 # Where even the least priors would not fit the budget (the portable kernel path, whose
 # forward costs each row alone: Qwen 1.5B int4 1 s a row, so the three prompts' 40 prefill
 # rows alone take 40 s), the controller starts from these and learns each drafter's
