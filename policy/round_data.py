@@ -3,7 +3,7 @@ every trace, each labelled, for each drafter ready there, with its run length. I
 torch.
 
 Every request is walked with both drafters ready (prompt lookup alone for a pair without a
-draft model) by a ``LearnedRounds`` planner that logs its features at every round start:
+draft model; never the store drafter, whose run lengths a trace does not hold) by a ``LearnedRounds`` planner that logs its features at every round start:
 without a model it plans as ``rakv``'s adaptive planner, with one as the learned planner
 (the states that planner visits: the second pass of training). The label is exact, from
 the run lengths: m_t, capped where a round could see no further (the planner's max_k;
@@ -23,7 +23,7 @@ requests, seeded; a family's requests are never on two sides, in any trace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -100,7 +100,10 @@ def planner_for(inputs: DecisionInputs, controller: ControllerConfig, request, d
     n = len(request.prompt_ids)
     features = RequestFeatures(n, request.max_new_tokens, 0, 0, False,
                                prompt_ids=np.asarray(request.prompt_ids, dtype=np.int64))
-    policy = LearnedPolicy(PolicyFile.in_memory(model, controller, draft_prior), inputs.timings)
+    # the trace holds no store drafter's run lengths (they depend on the store), and its
+    # rounds are priced from its estimate, not learnt: the rows are the other drafters'
+    in_memory = PolicyFile.in_memory(model, replace(controller, store_drafter=False), draft_prior)
+    policy = LearnedPolicy(in_memory, inputs.timings)
     action = Action(0, 1, DRAFT_MODEL) if DRAFT_MODEL in policy.analytic.drafters else Action(0, 0)
     return policy.planner(features, action, log)
 

@@ -22,7 +22,9 @@ A learned policy runs with the controller settings it was tuned with (the sideca
 property of the machine, is the caller's. Its rounds start each request from fixed
 priors, not from the requests before (the model has learnt the pair's), so a request's
 rounds depend on the request alone, and a replay computes them once per request
-(``memo_key``).
+(``memo_key``), unless the store drafter is ready: its proposals depend on what the store
+holds. The round models have heads for prompt lookup and the draft model; the store
+drafter's rounds are priced as ``rakv`` prices them (its estimate by signal, geometric runs).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from rakv.cost_model import Action, PairTimings, RequestFeatures
 from rakv.drafters import DRAFTERS, NGRAM
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, LearnedRounds, RoundModel, repeat_share
 from rakv.settings import settings_from_json, settings_to_json
+from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.trees import compile_model
 
 FORMAT = "rakv-learned-policy"
@@ -142,12 +145,12 @@ class LearnedPolicy:
 
     def __init__(self, policy_file: PolicyFile, timings: PairTimings, memory_limit_bytes: int | None = None):
         self.file = policy_file
-        # the round models know prompt lookup and the draft model only: no store drafter (yet)
-        self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes,
-                                                         store_drafter=False))
-        # where each request's rounds start, whatever the requests before did
+        self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes))
+        # where each request's rounds start, whatever the requests before did (the store
+        # drafter's from its priors by signal, ``suffix_prior``, as in ``rakv``)
         self.start = {d: float(policy_file.sidecar["draft_prior"]) if d != NGRAM else timings.prior(NGRAM)
                       for d in self.analytic.drafters}
+        self.start[SUFFIX] = suffix_prior(1)
 
     @property
     def controller(self) -> ControllerConfig:

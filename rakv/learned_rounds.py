@@ -37,6 +37,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths
+from rakv.suffix_drafter import SUFFIX
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
 from rakv.step_load import StepLoad
 from rakv.trees import sigmoid
@@ -103,7 +104,7 @@ class LearnedRounds(AdaptiveRounds):
         # without a model (a first pass), ``token_prior`` is logged as NONE: the table is made from its labels
         self.token_priors = model.token_priors if model is not None else {}
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
-        self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM)}
+        self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM, SUFFIX)}
         self._t = 0
         self._cheapest = {d: min(self.costs_s[d][1:]) for d in drafters}  # seconds of the cheapest round
         self._draft_prob = NONE
@@ -116,8 +117,11 @@ class LearnedRounds(AdaptiveRounds):
 
     @property
     def memo_key(self) -> tuple | None:
-        """Its rounds depend on the request alone: a replay computes them once per request."""
-        return ("learned", id(self.model), self.drafters, self._max_k) if self.log is None else None
+        """Its rounds depend on the request alone, so a replay computes them once per
+        request; not with the store drafter ready, whose proposals depend on the store."""
+        if self.log is not None or SUFFIX in self.drafters:
+            return None
+        return "learned", id(self.model), self.drafters, self._max_k
 
     def features(self, drafter: str, signal: int, t: int) -> list[float]:
         """``ROUND_FEATURES`` of ``drafter`` at t."""
@@ -154,8 +158,11 @@ class LearnedRounds(AdaptiveRounds):
                 top = min(top, self._lengths[NGRAM].proposed[t], self.shadow_length)
                 if not top:
                     continue  # nothing to propose
-            if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
-                progress, costs = self._priced(drafter, signals[drafter], costs_s=costs_s[drafter])
+            if drafter not in self.model.heads:  # no model for it (the store drafter): the EWMA estimate's geometric runs
+                a = self.estimate(drafter, signals[drafter])
+                if a <= 0.0:
+                    continue  # nothing proposed: no round of it can gain
+                progress, costs = self._priced(drafter, signals[drafter], a, costs_s[drafter])
             else:
                 first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)

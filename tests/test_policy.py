@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy
+from engine_checks import assert_rounds_replay, run_mix
 from policy.evaluate import main as evaluate_main
 from policy.round_data import collect, further_target, planner_for, split_families
 from policy.train import main as train_main
@@ -191,20 +192,25 @@ class _Drafting(LearnedPolicy):
         return Action(0, 1, "draft")
 
 
-def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, trace, tiny_pair):
+def _fixed_prices(pair):
+    """The pair's calibration with prices that do not turn on the machine. The tiny draft
+    costs about what its target does, and a verify's price is each machine's calibration,
+    so whether a round pays would: a step of 1 ms, a verify of any length at the price of a
+    step (what a GPU sees) and a draft step at a tenth of it; then a round pays wherever
+    P(m >= 1) > 0.1."""
     from rakv.calibrate import load_or_calibrate
+    calibrated = load_or_calibrate(pair)
+    step_s = 1e-3
+    return replace(calibrated,
+                   target=replace(calibrated.target, step_fixed_s=step_s, step_per_context_s=0.0, verify_fixed_s=0.0,
+                                  verify_per_token_s=0.0, verify_tokens=(), verify_extra_s=()),
+                   draft=replace(calibrated.draft, step_fixed_s=step_s / 10, step_per_context_s=0.0))
+
+
+def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, trace, tiny_pair):
     from rakv.engine import Engine
     loaded = load_trace(trace)
-    calibrated = load_or_calibrate(tiny_pair)
-    # the tiny draft costs about what its target does, and a verify's price is each machine's
-    # calibration, so whether a round pays would turn on the machine: fix the prices, on every
-    # machine, to a step of 1 ms, a verify of any length at the price of a step (what a GPU
-    # sees) and a draft step at a tenth of it; then a round pays wherever P(m >= 1) > 0.1
-    step_s = 1e-3
-    timings = replace(calibrated,
-                      target=replace(calibrated.target, step_fixed_s=step_s, step_per_context_s=0.0, verify_fixed_s=0.0,
-                                     verify_per_token_s=0.0, verify_tokens=(), verify_extra_s=()),
-                      draft=replace(calibrated.draft, step_fixed_s=step_s / 10, step_per_context_s=0.0))
+    timings = _fixed_prices(tiny_pair)
     engine = Engine(tiny_pair, _Drafting(load_policy(trained), timings), loaded.inputs.engine)
     inputs = replace(loaded.inputs.with_settings(Settings()), timings=timings)
     session = Session(_Drafting(load_policy(trained), timings), inputs, loaded.target_namespace,
@@ -219,6 +225,19 @@ def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, t
         assert recorded == ours
         drafted |= {(r[1], r[2]) for r in ours}
     assert len(drafted) >= 4, drafted  # rounds of both drafters, of several lengths
+
+
+def test_learned_planner_drafts_from_the_store_and_its_rounds_replay_exactly(trained, tiny_pair):
+    """The round models have no store-drafter head; its rounds are priced as ``rakv`` prices
+    them, and a repeat drafts its whole output from the store."""
+    prompt = tiny_pair.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    prompts = [prompt, tiny_pair.encode("# a\n") + prompt, prompt]
+    results, planners = run_mix(tiny_pair, _Drafting(load_policy(trained), _fixed_prices(tiny_pair)), prompts, 24)
+    for p, result in zip(prompts, results):
+        assert list(result.output_ids) == hf_greedy(tiny_pair, p, 24)
+    assert all("suffix" in p.drafters for p in planners)
+    assert sum(r.accepted for r in results[2].rounds if r.drafter == "suffix") >= 16
+    assert assert_rounds_replay(tiny_pair, prompts, results, planners, 24) >= len(results[2].rounds)
 
 
 def test_learned_policy_runs_live(trained, tiny_pair):
