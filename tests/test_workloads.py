@@ -16,6 +16,7 @@ import pytest
 from profiler import workloads as W
 from profiler.arrivals import poisson_arrivals_s
 from profiler.sharegpt import _TruncatedJsonArray
+from profiler.sql_texts import SQL_SYSTEM
 from profiler.workloads import CODE_HEADERS, Workload, WorkloadError, WorkloadRequest, load_workload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -263,8 +264,26 @@ def test_code_repeat_asks_each_problem_again_under_other_headers_within_its_bloc
         load_workload("code-repeat", 4, repeats=9)
 
 
+def test_sql_template_asks_each_template_with_other_values_after_one_shared_schema():
+    workload = load_workload("sql-template", 32, asks=4, block=4)
+    requests = workload.requests
+    assert len(requests) == 32 and workload.config["asks"] == 4
+    assert all(r.prompt.startswith(SQL_SYSTEM + "\nUser: ") and r.prompt.endswith("\nAssistant:") for r in requests)
+    by_template: dict[str, list] = {}
+    for r in requests:
+        by_template.setdefault(r.group_id, []).append(r)
+    assert len(by_template) == 8
+    for asks in by_template.values():
+        assert [a.turn for a in asks] == [0, 1, 2, 3]
+        assert len({a.prompt for a in asks}) == 4  # each ask its own values
+        assert max(a.request_id for a in asks) - min(a.request_id for a in asks) < 16  # within its block
+    assert "from Paris place in 2019?" in by_template["sql-0"][0].prompt
+    with pytest.raises(WorkloadError, match="asks must be within"):
+        load_workload("sql-template", asks=7)
+
+
 def test_unknown_workload_and_option():
-    with pytest.raises(WorkloadError, match=r"^unknown workload 'nope'; known: humaneval, code-repeat, sharegpt") as err:
+    with pytest.raises(WorkloadError, match=r"^unknown workload 'nope'; known: humaneval, code-repeat, sql-template, sharegpt") as err:
         load_workload("nope")
     assert "\n" not in str(err.value)
     with pytest.raises(WorkloadError, match="has no option 'hit_rate'; options: .*hit_ratio"):
