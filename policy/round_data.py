@@ -2,12 +2,15 @@
 every trace, each labelled, for each drafter ready there, with its run length. Imports no
 torch.
 
-Every request is walked with both drafters ready (prompt lookup alone for a pair without a
-draft model; never the store drafter, whose run lengths a trace does not hold) by a ``LearnedRounds`` planner that logs its features at every round start:
-without a model it plans as ``rakv``'s adaptive planner, with one as the learned planner
-(the states that planner visits: the second pass of training). The label is exact, from
-the run lengths: m_t, capped where a round could see no further (the planner's max_k;
-prompt lookup's proposal length).
+Every request is walked, in the trace's order through one replayed store (as the
+simulator replays it), with every drafter ready (no draft model for a pair without one) by
+a ``LearnedRounds`` planner that logs its features at every round start: without a model
+it plans as ``rakv``'s adaptive planner, with one as the learned planner (the states that
+planner visits: the second pass of training). The label is exact, from the run lengths:
+m_t, capped where a round could see no further (the planner's max_k; a model-free
+drafter's proposal length). The store drafter's run lengths are not in the trace (they
+depend on what the store holds): the replay looks them up over its store, as it replays
+that drafter's rounds.
 
 ``token_prior`` is made from the labels: a first pass logs none, ``token_prior`` makes the
 table from the training rows, and ``DrafterRows.with_token_prior`` fills the column in.
@@ -23,18 +26,17 @@ requests, seeded; a family's requests are never on two sides, in any trace.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from rakv.controller import ControllerConfig
+from rakv.controller import ControllerConfig, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL, NGRAM
-from rakv.acceptance import replay_request
+from rakv.drafters import DRAFT_MODEL
 from rakv.learned import LearnedPolicy, PolicyFile
 from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior
 from rakv.settings import DecisionInputs
-from simulator.session import output_length
+from simulator.session import Session, replayed_lengths
 from simulator.trace import Trace
 
 SPLITS = ("train", "validation", "test")
@@ -93,37 +95,45 @@ def further_target(rows: DrafterRows) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return keep, continued[keep] / trials[keep], trials[keep].astype(float)
 
 
-def planner_for(inputs: DecisionInputs, controller: ControllerConfig, request, draft_prior: float,
-                model: RoundModel | None, log: list | None) -> LearnedRounds:
-    """The learned planner of a request that readies every drafter of the pair, on a miss,
-    as the live policy makes it."""
-    n = len(request.prompt_ids)
-    features = RequestFeatures(n, request.max_new_tokens, 0, 0, False,
-                               prompt_ids=np.asarray(request.prompt_ids, dtype=np.int64))
-    # the trace holds no store drafter's run lengths (they depend on the store), and its
-    # rounds are priced from its estimate, not learnt: the rows are the other drafters'
-    in_memory = PolicyFile.in_memory(model, replace(controller, store_drafter=False), draft_prior)
-    policy = LearnedPolicy(in_memory, inputs.timings)
-    action = Action(0, 1, DRAFT_MODEL) if DRAFT_MODEL in policy.analytic.drafters else Action(0, 0)
-    return policy.planner(features, action, log)
+class ReadyingAll:
+    """The learned policy (``model`` None: the analytic planner), every request readying
+    every drafter of the pair on a miss, each planner logging its decision points."""
+
+    name = "learned"
+
+    def __init__(self, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
+                 model: RoundModel | None):
+        self.learned = LearnedPolicy(PolicyFile.in_memory(model, controller, draft_prior), inputs.timings)
+        self.action = Action(0, 1, DRAFT_MODEL) if DRAFT_MODEL in self.learned.analytic.drafters else Action(0, 0)
+        self.logs: list[tuple[LearnedRounds, list]] = []  # per request: its planner and what it logged
+
+    def decide(self, features: RequestFeatures) -> Action:
+        return self.action
+
+    def planner(self, features: RequestFeatures, action: Action) -> LearnedRounds:
+        log: list = []
+        planner = self.learned.planner(features, action, log)
+        self.logs.append((planner, log))
+        return planner
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        pass  # each request's rounds start from the same priors
 
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
             model: RoundModel | None = None) -> dict[str, DrafterRows]:
     """Per drafter, the decision points of every request of ``trace`` (see the module docstring)."""
+    policy = ReadyingAll(inputs, controller, draft_prior, model)
+    session = Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
     found: dict[str, list] = {}
     for request in trace.requests:
-        log: list = []
-        planner = planner_for(inputs, controller, request, draft_prior, model, log)
-        num_output = output_length(request, request.max_new_tokens)
-        replay_request(planner, request.lengths, num_output, request.max_new_tokens, request.token_ids)
+        replayed = session.run(request, request.max_new_tokens)
+        planner, log = policy.logs[-1]
+        lengths_of = replayed_lengths(request, replayed)
         family, n = request.group_id, len(request.prompt_ids)
         for t, drafter, row in log:
-            lengths = request.lengths[drafter]
-            cap = planner.config.max_k
-            if drafter == NGRAM:
-                cap = min(cap, lengths.proposed[t], planner.shadow_length)
-            found.setdefault(drafter, []).append((row, min(lengths.runs[t], cap), cap, family,
+            cap = planner.longest_round(drafter, t)
+            found.setdefault(drafter, []).append((row, min(lengths_of[drafter].runs[t], cap), cap, family,
                                                   int(request.token_ids[n + t - 1])))
     return {d: DrafterRows(np.array([r[0] for r in rows], dtype=float).reshape(-1, len(ROUND_FEATURES)),
                            *(np.array([r[i] for r in rows]) for i in range(1, 5)))

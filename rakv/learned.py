@@ -23,8 +23,9 @@ property of the machine, is the caller's. Its rounds start each request from fix
 priors, not from the requests before (the model has learnt the pair's), so a request's
 rounds depend on the request alone, and a replay computes them once per request
 (``memo_key``), unless the store drafter is ready: its proposals depend on what the store
-holds. The round models have heads for prompt lookup and the draft model; the store
-drafter's rounds are priced as ``rakv`` prices them (its estimate by signal, geometric runs).
+holds. A drafter without heads in the policy (the store drafter, where its training
+traces gave it too few rounds) has its rounds priced as ``rakv`` prices them (its estimate
+by signal, geometric runs).
 """
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ token is right most of the time and its runs are long (q high), after a 1-gram m
 rarely; a draft model's p1 follows what it just did.
 
 The features (``ROUND_FEATURES``), per drafter at output position t:
-- ``signal`` (prompt lookup's matched n-gram order; 0 for a draft model), ``proposed``
-  (prompt lookup's proposal length) and ``extent`` (its match extended backwards);
+- ``signal`` (prompt lookup's matched n-gram order; the store drafter's match-length
+  bucket and whether its matches agree, ``suffix_signal``; 0 for a draft model),
+  ``proposed`` (a model-free drafter's proposal length) and ``extent`` (prompt lookup's
+  match extended backwards);
 - ``position`` and ``tokens_left``;
 - the request's own running counts, the EWMA part: the planner's per-(drafter, signal)
   acceptance estimate (``AdaptiveRounds``, started from fixed priors, not from other
@@ -27,8 +29,10 @@ The features (``ROUND_FEATURES``), per drafter at output position t:
 
 All are functions of the tokens, the run lengths, the signals and the probabilities a
 trace stores (up to each round's first wrong token, as the engine computed them), so the
-learned planner's rounds replay exactly. The EWMA part is also the fallback: without a
-model for a drafter, ``AdaptiveRounds``' estimate prices its rounds.
+learned planner's rounds replay exactly (the store drafter's run lengths and signals are
+not in a trace: a replay looks them up over its store, as the engine does). The EWMA part
+is also the fallback: without a model for a drafter, ``AdaptiveRounds``' estimate prices
+its rounds.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from rakv.drafters import DRAFT_MODEL, NGRAM, RunLengths
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths
 from rakv.suffix_drafter import SUFFIX
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
 from rakv.step_load import StepLoad
@@ -123,17 +127,25 @@ class LearnedRounds(AdaptiveRounds):
             return None
         return "learned", id(self.model), self.drafters, self._max_k
 
+    def longest_round(self, drafter: str, t: int) -> int:
+        """The most tokens a round of ``drafter`` at t can draft, as the engine drafts: a
+        model-free drafter's proposal (prompt lookup's of at most ``shadow_length``)."""
+        if drafter not in MODEL_FREE:
+            return self._max_k
+        proposed = self._lengths[drafter].proposed[t]
+        return min(self._max_k, proposed, self.shadow_length) if drafter == NGRAM else min(self._max_k, proposed)
+
     def features(self, drafter: str, signal: int, t: int) -> list[float]:
-        """``ROUND_FEATURES`` of ``drafter`` at t."""
+        """``ROUND_FEATURES`` of ``drafter`` at t (``extent``: prompt lookup's alone; the
+        store drafter's match length is in its signal's bucket)."""
         h = self.history[drafter]
-        ngram = drafter == NGRAM
-        lengths = self._lengths[drafter]
-        return [signal, min(lengths.proposed[t], self.shadow_length) if ngram else self._max_k,
-                lengths.extents[t] if ngram and lengths.extents is not None else 0, t, self.num_new_tokens - t,
-                self.estimate(drafter, signal), h.trials, h.successes / h.trials if h.trials else NONE,
-                h.last_accepted, h.last_full, t - h.last_t if h.last_t >= 0 else NONE, *h.recent,
-                self.prompt_repeat, self._draft_prob if not ngram else NONE,
-                self.confidence if not ngram else NONE, self.token_prior(drafter, t)]
+        extents = getattr(self._lengths[drafter], "extents", None) if drafter == NGRAM else None
+        draft = drafter == DRAFT_MODEL
+        return [signal, self.longest_round(drafter, t), extents[t] if extents is not None else 0, t,
+                self.num_new_tokens - t, self.estimate(drafter, signal), h.trials,
+                h.successes / h.trials if h.trials else NONE, h.last_accepted, h.last_full,
+                t - h.last_t if h.last_t >= 0 else NONE, *h.recent, self.prompt_repeat,
+                self._draft_prob if draft else NONE, self.confidence if draft else NONE, self.token_prior(drafter, t)]
 
     def token_prior(self, drafter: str, t: int) -> float:
         """The drafter's P(m >= 1) after the sequence's last token at t, from its table."""
@@ -146,19 +158,17 @@ class LearnedRounds(AdaptiveRounds):
         self._t = t
         if self.log is not None:
             for drafter in self.drafters:
-                if drafter != NGRAM or self._lengths[NGRAM].proposed[t]:
+                if self.longest_round(drafter, t):  # a model-free drafter with no proposal has no decision
                     self.log.append((t, drafter, self.features(drafter, signals[drafter], t)))
         if self.model is None:
             return super().plan(signals, t, load)
         offset, best_rate, costs_s = self._prices(load)
         best = self._plain
         for drafter in self.drafters:
-            top = self._max_k
-            if drafter == NGRAM:  # as the engine sees it: a proposal of at most shadow_length
-                top = min(top, self._lengths[NGRAM].proposed[t], self.shadow_length)
-                if not top:
-                    continue  # nothing to propose
-            if drafter not in self.model.heads:  # no model for it (the store drafter): the EWMA estimate's geometric runs
+            top = self.longest_round(drafter, t)
+            if not top:
+                continue  # nothing to propose
+            if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
                 a = self.estimate(drafter, signals[drafter])
                 if a <= 0.0:
                     continue  # nothing proposed: no round of it can gain

@@ -20,10 +20,10 @@ import pytest
 from conftest import hf_greedy
 from engine_checks import assert_rounds_replay, run_mix
 from policy.evaluate import main as evaluate_main
-from policy.round_data import collect, further_target, planner_for, split_families
+from policy.round_data import ReadyingAll, collect, further_target, split_families
 from policy.train import main as train_main
 from profiler.record import main as record
-from rakv.acceptance import comparable_rounds, replay_request
+from rakv.acceptance import comparable_rounds
 from rakv.controller import ControllerConfig
 from rakv.cost_model import Action
 from rakv.learned import LearnedPolicy, PolicyFileError, load_policy
@@ -56,17 +56,19 @@ def test_round_rows_label_every_decision_point_and_families_stay_together(trace)
     loaded = load_trace(trace)
     inputs = load_timing(None, loaded).decision_inputs(loaded, Settings())
     rows = collect(loaded, inputs, ControllerConfig(), 0.5)
-    assert set(rows) == {"draft", "ngram"}
+    # the chat revisions copy their own answers, which the store also holds: rows of all three
+    assert set(rows) == {"draft", "ngram", "suffix"}
     for drafter, r in rows.items():
-        assert r.x.shape == (len(r.run), len(ROUND_FEATURES)) and len(r.run) > 20
-        assert np.all((0 <= r.run) & (r.run <= r.cap)) and np.all(r.cap <= 16)
+        assert r.x.shape == (len(r.run), len(ROUND_FEATURES)) and len(r.run) > (20 if drafter != "suffix" else 0)
+        assert np.all((0 <= r.run) & (r.run <= r.cap)) and np.all((1 <= r.cap) & (r.cap <= 16))
         keep, share, weight = further_target(r)
         assert np.all((0 <= share) & (share <= 1)) and np.all(weight >= 1) and keep.sum() <= (r.run >= 1).sum()
     request = loaded.requests[0]  # a label is the run length at the decision point, from the trace
-    log = []
-    replay_request(planner_for(inputs, ControllerConfig(), request, 0.5, None, log), request.lengths,
-                   len(request.output_ids), request.max_new_tokens)
-    assert [t for t, d, _ in log if d == "draft"][0] == 1
+    policy = ReadyingAll(inputs, ControllerConfig(), 0.5, None)
+    Session(policy, inputs, loaded.target_namespace, loaded.draft_namespace).run(request, request.max_new_tokens)
+    (planner, log), = policy.logs
+    assert [t for t, d, _ in log if d == "draft"][0] == 1  # the draft model needs the first token
+    assert planner.drafters == ("draft", "ngram", "suffix")
     counts = {}
     for r in loaded.requests:
         counts[f"x/{r.group_id}"] = counts.get(f"x/{r.group_id}", 0) + 1
@@ -253,7 +255,7 @@ def test_evaluate_reports_every_metric(trained, trace, capsys):
     report = json.loads(capsys.readouterr().out)
     assert set(report["tokens_per_s"]) == {"learned", "rakv", "oracle", "round-oracle"}
     assert report["tokens_per_s"]["round-oracle"] >= max(report["tokens_per_s"][k] for k in ("learned", "rakv"))
-    assert "headroom_captured" in report and set(report["prediction"]) <= {"draft", "ngram"}
+    assert "headroom_captured" in report and set(report["prediction"]) <= {"draft", "ngram", "suffix"}
     for p in report["prediction"].values():
         assert {"auc", "brier", "ewma_auc", "ewma_brier"} <= set(p)
     assert {"spearman", "mean_regret", "action_accuracy", "k_accuracy", "mape"} <= set(report["paper_actions"])
