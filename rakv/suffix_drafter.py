@@ -37,7 +37,9 @@ _POSITION_BITS = 32  # a filed position is entry_id << 32 | p
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    key_tokens: int = 4  # tokens a match starts from (shorter matches are prompt lookup's)
+    # tokens a match starts from: 2 finds a templated answer's stored continuation again two
+    # tokens after a slot value where it differs (4: four; replayed, 2 is ahead on most traces)
+    key_tokens: int = 2
     max_candidates: int = 32  # most recent positions a lookup extends and counts
     max_match: int = 64  # a match is extended backwards up to this many tokens
     spec_factor: float = 1.0  # a proposal is at most this many times the match length

@@ -15,6 +15,7 @@ from rakv.suffix_drafter import SuffixConfig, SuffixDrafter, suffix_signal, walk
 NS = "target"
 SIZES = ModelSizes(kv_bytes_per_token=8, logits_bytes=8)
 BASE = np.random.default_rng(0).integers(100, 1000, 120).tolist()
+KEY = SuffixConfig().key_tokens
 
 
 def store_of(*sequences, budget_bytes: int = 2**30) -> StoreModel:
@@ -109,14 +110,14 @@ def test_an_evicted_sequence_leaves_the_index():
 def test_an_index_built_late_holds_what_one_kept_all_along_would():
     sequences = [[i] + BASE[i * 7:i * 7 + 50] for i in range(8)]
     early = StoreModel(StoreConfig(budget_bytes=3 * 51 * 16 + 8))  # holds three at a time
-    early_index = early.sequences(NS, 4)
+    early_index = early.sequences(NS, KEY)
     for seq in sequences:
         early.commit(early.plan_insert(NS, seq, (), SIZES))
     late = store_of(*sequences, budget_bytes=3 * 51 * 16 + 8)
     for start in range(0, 70, 5):
         query = [0] + BASE[start:start + 12]
         assert SuffixDrafter(early_index).lookup(query, len(query)) == propose(late, query)
-    assert len(early_index) == len(late.sequences(NS, 4)) == 3
+    assert len(early_index) == len(late.sequences(NS, KEY)) == 3
 
 
 def test_bad_settings_are_refused():
