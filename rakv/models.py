@@ -123,15 +123,17 @@ def context_limit(target, draft, max_context: int | None) -> int:
 
 
 def _load_hf(source: str, dtype):
-    """Model and tokenizer from a HF name, a directory or a .gguf file, offline."""
+    """Model and tokenizer from a HF name, a directory or a .gguf file, offline: files
+    only (``HF_HUB_OFFLINE`` is read when huggingface_hub is first imported, which may
+    be before this, so it is no guard alone: a missing model would wait on the network)."""
     import os
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if source.endswith(".gguf"):
         return _load_gguf(Path(source), dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PairError(f"cannot load {source!r} without a model hub: {first}") from None
@@ -154,8 +156,9 @@ def _load_gguf(path: Path, dtype):
         return _load_hf(str(converted), dtype)
     print(f"converting {path.name} to {dtype} (once; cached at {converted})", file=sys.stderr)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype,
+                                                     local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise PairError(f"cannot load GGUF {path}: {str(exc).strip().splitlines()[0]}") from None
     tmp = converted.with_name(converted.name + ".partial")
