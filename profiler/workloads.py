@@ -130,6 +130,17 @@ def _interleave(groups: list[list], seed: int) -> list[tuple[int, int]]:
     return order
 
 
+def _asks_in_blocks(num_groups: int, asks: int, block: int, seed: int) -> list[tuple[int, int]]:
+    """``(group index, ask)`` for ``asks`` asks of each group: the groups taken ``block`` at a
+    time, each block's asks interleaved (``_interleave``), so an ask comes a few requests
+    after the one it repeats."""
+    order = []
+    for first in range(0, num_groups, block):
+        size = min(block, num_groups - first)
+        order += [(first + g, ask) for g, ask in _interleave([[None] * asks for _ in range(size)], seed)]
+    return order
+
+
 def _multi_turn_items(conversations: list[tuple[str, list[tuple[str, int]]]], max_new_tokens: int,
                       interleave: bool, seed: int) -> list[dict]:
     turns = [t for _, t in conversations]
@@ -193,12 +204,8 @@ def code_repeat(num_requests: int | None = None, seed: int = 0, max_new_tokens: 
         raise WorkloadError(f"workload {name!r}: repeats must be within 1..{len(CODE_HEADERS)}, got {repeats}")
     prompts = humaneval_prompts()
     n = _check_count(name, num_requests, repeats * len(prompts), "asks")
-    items = []
-    for first in range(0, math.ceil(n / repeats), block):
-        problems = prompts[first:first + block]
-        for g, ask in _interleave([[None] * repeats for _ in problems], seed):
-            task_id, prompt = problems[g]
-            items.append(_item(task_id, ask, CODE_HEADERS[ask] + prompt, max_new_tokens))
+    items = [_item(prompts[g][0], ask, CODE_HEADERS[ask] + prompts[g][1], max_new_tokens)
+             for g, ask in _asks_in_blocks(len(prompts), repeats, block, seed)]
     return _build(name, items[:n], rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens,
                                                       "repeats": repeats, "block": block})
 
@@ -216,12 +223,8 @@ def sql_template(num_requests: int | None = None, seed: int = 0, max_new_tokens:
     if not 1 <= asks <= SQL_VALUES_PER_SLOT:
         raise WorkloadError(f"workload {name!r}: asks must be within 1..{SQL_VALUES_PER_SLOT}, got {asks}")
     n = _check_count(name, num_requests, asks * len(SQL_TEMPLATES), "asks")
-    items = []
-    for first in range(0, len(SQL_TEMPLATES), block):
-        templates = range(first, min(first + block, len(SQL_TEMPLATES)))
-        for g, ask in _interleave([[None] * asks for _ in templates], seed):
-            items.append(_item(f"sql-{templates[g]}", ask, sql_prompt(sql_question(templates[g], ask)),
-                               max_new_tokens))
+    items = [_item(f"sql-{g}", ask, sql_prompt(sql_question(g, ask)), max_new_tokens)
+             for g, ask in _asks_in_blocks(len(SQL_TEMPLATES), asks, block, seed)]
     return _build(name, items[:n], rate_per_s, seed, {"num_requests": n, "seed": seed, "max_new_tokens": max_new_tokens,
                                                       "asks": asks, "block": block})
 

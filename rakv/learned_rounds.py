@@ -139,7 +139,7 @@ class LearnedRounds(AdaptiveRounds):
         """``ROUND_FEATURES`` of ``drafter`` at t (``extent``: prompt lookup's alone; the
         store drafter's match length is in its signal's bucket)."""
         h = self.history[drafter]
-        extents = getattr(self._lengths[drafter], "extents", None) if drafter == NGRAM else None
+        extents = self._lengths[NGRAM].extents if drafter == NGRAM else None
         draft = drafter == DRAFT_MODEL
         return [signal, self.longest_round(drafter, t), extents[t] if extents is not None else 0, t,
                 self.num_new_tokens - t, self.estimate(drafter, signal), h.trials,
