@@ -167,6 +167,25 @@ def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_t
 
 
 # -- one request's drafter ------------------------------------------------------------
+def own_positions(context: bytes | bytearray, key: bytes, length: int, limit: int) -> list[int]:
+    """Up to ``limit`` positions p < ``length`` of the int64 bytes ``context`` whose tokens
+    just before p are ``key``, newest first: the positions ``file_positions`` would file
+    from the first ``length`` tokens, found by searching the bytes instead (a request's own
+    sequence is searched a few times per round; filing it cost more than its lookups)."""
+    w, found = TOKEN_BYTES, []
+    end = (length - 1) * w  # a key ends at p * w <= (length - 1) * w
+    while len(found) < limit:
+        i = context.rfind(key, 0, end)
+        if i < 0:
+            break
+        if i % w:  # a match across token boundaries
+            end = i + len(key) - 1
+            continue
+        found.append((i + len(key)) // w)
+        end = i + len(key) - w
+    return found
+
+
 def match_length(source: bytes | bytearray, position: int, context: bytes | bytearray, length: int,
                  known: int, limit: int) -> int:
     """How many tokens before ``position`` of ``source`` equal the last of the first
@@ -259,7 +278,6 @@ class SuffixDrafter:
     def __init__(self, store: SequenceIndex | None, config: SuffixConfig = SuffixConfig(), max_k: int = 16):
         self.store, self.config, self.max_k = store, config, max_k
         self._context = bytearray()  # the request's tokens so far, int64 bytes
-        self._own: dict[bytes, list[int]] = {}  # key -> positions of the request's own tokens
         self._memo: tuple[int, list[int], int] = (-1, [], 0)  # (length, proposal up to max_k, signal)
 
     @classmethod
@@ -284,13 +302,10 @@ class SuffixDrafter:
         pass  # the true sequence of a given length never changes
 
     def _extend(self, tokens: Sequence[int], length: int) -> None:
-        """File the request's own positions up to ``length`` tokens (each with a token after it)."""
+        """The request's own tokens up to ``length``, as int64 bytes."""
         known = len(self._context) // TOKEN_BYTES
-        if length <= known:
-            return
-        self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
-        file_positions(self._own, self._context, self.config.key_tokens, known, length)
-        # the newest position (length) has no token after it yet: it is filed at the next extension
+        if length > known:
+            self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
 
     def _lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
         config, w = self.config, TOKEN_BYTES
@@ -300,10 +315,9 @@ class SuffixDrafter:
             return [], 0
         context = self._context
         key = bytes(context[(length - n) * w:length * w])
-        # the request's own positions known at ``length`` (a replay may look an earlier length up
+        # the request's own positions before ``length`` (a replay may look an earlier length up
         # after a later one), their continuations cut there; then the store's
-        own = [p for p in reversed(self._own.get(key, ())) if p < length][:config.max_candidates]
-        candidates = [(context, p, length) for p in own]
+        candidates = [(context, p, length) for p in own_positions(context, key, length, config.max_candidates)]
         if self.store is not None and len(candidates) < config.max_candidates:
             candidates += [(data, p, len(data) // w)
                            for data, p in self.store.occurrences(key, config.max_candidates - len(candidates))]

@@ -10,7 +10,8 @@ from conftest import hf_greedy, policy_for
 from engine_checks import assert_rounds_replay, run_mix
 from rakv.controller import ControllerConfig, CostModelPolicy
 from rakv.store_model import ModelSizes, StoreConfig, StoreModel
-from rakv.suffix_drafter import SuffixConfig, SuffixDrafter, suffix_signal, walk_continuations
+from rakv.suffix_drafter import (SuffixConfig, SuffixDrafter, file_positions, own_positions, suffix_signal,
+                                 walk_continuations)
 
 NS = "target"
 SIZES = ModelSizes(kv_bytes_per_token=8, logits_bytes=8)
@@ -93,6 +94,22 @@ def test_the_request_itself_is_searched_first_and_never_its_future():
     assert drafter.lookup(own, len(own))[0] == BASE[10:20]
     fresh = SuffixDrafter(None)
     assert fresh.lookup(own, 20) == ([], 0)
+
+
+def test_searching_a_request_finds_what_filing_it_would():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        # tokens whose int64 bytes repeat inside one another (256 = 0x100, 1, 65536), so a key
+        # also matches across token boundaries, which the search must skip
+        tokens = rng.choice([1, 256, 65536, 257, 0], int(rng.integers(0, 40))).tolist()
+        context = np.asarray(tokens, dtype=np.int64).tobytes()
+        n, limit = int(rng.integers(1, 4)), int(rng.integers(1, 50))
+        length = int(rng.integers(0, len(tokens) + 1))
+        filed: dict[bytes, list[int]] = {}
+        file_positions(filed, context, n, 0, length)
+        for p in range(n, length + 1):
+            key = context[(p - n) * 8:p * 8]
+            assert own_positions(context, key, length, limit) == filed.get(key, [])[::-1][:limit]
 
 
 def test_an_evicted_sequence_leaves_the_index():
