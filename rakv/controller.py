@@ -219,7 +219,7 @@ class CostModelPolicy:
                 self.seen.add(count.drafter)
             if count.rate is not None:
                 key = (count.drafter, count.signal)
-                old = self.signal_acceptance.get(key, initial_estimate(*key, self.acceptance[count.drafter]))
+                old = self.signal_acceptance.get(key, initial_estimate(*key, self.acceptance))
                 self.signal_acceptance[key] = (1 - beta) * old + beta * count.rate
         for drafter, (successes, failures) in per_drafter.items():
             if successes + failures:

@@ -35,10 +35,9 @@ from pathlib import Path
 
 from rakv.controller import ControllerConfig, CostModelPolicy, RequestOutcome
 from rakv.cost_model import Action, PairTimings, RequestFeatures
-from rakv.drafters import DRAFTERS, NGRAM
+from rakv.drafters import DRAFT_MODEL, DRAFTERS
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, LearnedRounds, RoundModel, repeat_share
 from rakv.settings import settings_from_json, settings_to_json
-from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.trees import compile_model
 
 FORMAT = "rakv-learned-policy"
@@ -147,11 +146,9 @@ class LearnedPolicy:
     def __init__(self, policy_file: PolicyFile, timings: PairTimings, memory_limit_bytes: int | None = None):
         self.file = policy_file
         self.analytic = CostModelPolicy(timings, replace(policy_file.controller, memory_limit_bytes=memory_limit_bytes))
-        # where each request's rounds start, whatever the requests before did (the store
-        # drafter's from its priors by signal, ``suffix_prior``, as in ``rakv``)
-        self.start = {d: float(policy_file.sidecar["draft_prior"]) if d != NGRAM else timings.prior(NGRAM)
-                      for d in self.analytic.drafters}
-        self.start[SUFFIX] = suffix_prior(1)
+        # where each request's rounds start, whatever the requests before did (the
+        # model-free drafters' from their priors by signal, ``initial_estimate``)
+        self.start = {DRAFT_MODEL: float(policy_file.sidecar["draft_prior"])}
 
     @property
     def controller(self) -> ControllerConfig:

@@ -238,12 +238,13 @@ def confidence_threshold(samples: Sequence[tuple[float, bool]], start: float) ->
     return start if best is None else min(max(best, low), high)
 
 
-def initial_estimate(drafter: str, signal: int, drafter_estimate: float) -> float:
+def initial_estimate(drafter: str, signal: int, estimates: Mapping[str, float]) -> float:
     """Acceptance under a signal never observed: prompt lookup's and the store drafter's
-    priors for their match, or the drafter's overall estimate."""
+    priors for their match, or the drafter's overall estimate in ``estimates`` (read only
+    for a drafter with no prior by signal: the model-free ones need no entry there)."""
     if drafter == NGRAM:
         return ngram_prior(signal)
-    return suffix_prior(signal) if drafter == SUFFIX else drafter_estimate
+    return suffix_prior(signal) if drafter == SUFFIX else estimates[drafter]
 
 
 class AdaptiveRounds:
@@ -299,7 +300,7 @@ class AdaptiveRounds:
     def estimate(self, drafter: str, signal: int) -> float:
         if (drafter, signal) in self.acceptance:
             return self.acceptance[drafter, signal]
-        return initial_estimate(drafter, signal, self.fallback[drafter])
+        return initial_estimate(drafter, signal, self.fallback)
 
     def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
         pass  # the signals are all it reads
