@@ -104,12 +104,17 @@ class FixedRounds:
 class RoundCosts:
     """Seconds of a plain step and, per drafter, of a round drafting k = 0..max_k tokens,
     at one context length (``round_costs``); with the timings they came from, which price
-    a round under load (``rakv.step_load``; None: it is priced alone)."""
+    a round under load (``rakv.step_load``; None: it is priced alone). ``load_memo``: the
+    load prices of the planners that share these costs (a policy keeps one ``RoundCosts``
+    per context length, and its requests meet the same few loads again and again)."""
 
     step_s: float
     round_s: Mapping[str, tuple[float, ...]]
     timings: PairTimings | None = None
     num_context: int = 0
+    load_memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    MAX_LOADS = 4096  # load_memo's entries at most (it starts again empty past them)
 
 
 def round_costs(timings: PairTimings, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
@@ -280,7 +285,7 @@ class AdaptiveRounds:
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
-        self._load_memo: dict[StepLoad, tuple] = {}  # _prices under each load seen: a request meets the same ones
+        self._load_key = (drafters, config.max_k, config.min_gain)  # what else the load's prices depend on
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
         # Per drafter, the acceptance at or below which none of its rounds can beat that
         # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
@@ -338,10 +343,13 @@ class AdaptiveRounds:
         costs = self._round_costs
         if load is None or not load.num_others or costs is None:
             return 0.0, self._plain_rate, self.costs_s
-        priced = self._load_memo.get(load)
+        key = (load, self._load_key)
+        priced = costs.load_memo.get(key)
         if priced is None:
+            if len(costs.load_memo) >= RoundCosts.MAX_LOADS:
+                costs.load_memo.clear()
             prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
-            priced = self._load_memo[load] = (prices.offset, prices.plain_rate(self.config.min_gain), prices.costs_s)
+            priced = costs.load_memo[key] = (prices.offset, prices.plain_rate(self.config.min_gain), prices.costs_s)
         return priced
 
     def _priced(self, drafter: str, signal: int, a: float | None = None,

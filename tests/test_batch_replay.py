@@ -6,6 +6,7 @@ op grid; simulator.serve_sim runs a load on that clock; simulator.serve_validate
 all three; bad input is one line."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_the_validation_reports_every_load(recorded, capsys):
     assert all(row.step_errors.step_mape is not None for row in rows)
     assert serve_validate.main(["--trace", str(TRACES / "smollm2-humaneval-serve")]) == 0
     out = capsys.readouterr().out
-    assert "| c=8 | rakv | 63 of 63 |" in out and "| rate=2 | ar |" in out
+    assert re.search(r"\| c=8 \| rakv \| (\d+) of \1 \|", out) and "| rate=2 | ar |" in out  # every step reproduced
     # the shipped trace free-running: deterministic figures, a guard on the model, not the machine
     for row in serve_validate.validate_serving(load_trace(TRACES / "smollm2-humaneval-serve")):
         assert row.simulated.output_tok_per_s == pytest.approx(row.recorded.output_tok_per_s, rel=0.25)
