@@ -7,7 +7,10 @@ Reported (``Evaluation``):
 - ``tokens_per_s`` of ``learned``, ``rakv``, ``oracle`` and ``round-oracle``: output tokens
   per second of service over the held-out requests, replayed in recorded order under
   today's settings (a learned policy under its own controller settings);
-- ``headroom_captured`` = (learned - rakv) / (round-oracle - rakv);
+- ``headroom_captured`` = (learned - rakv) / (round-oracle - rakv), and
+  ``causal_headroom_captured`` = (learned - rakv) / (causal bound - rakv), the causal
+  bound (``policy.causal_bound``) being ``rakv`` with the stop rule and threshold that do
+  best on these very requests, a reference a planner without foresight can reach;
 - per drafter, the AUC and Brier score of the m >= 1 prediction at the round starts of
   those requests, beside the same for the request's EWMA estimate (``ewma_auc``);
 - ``paper_actions``: the paper's 12 actions (r in {0, 1}, k in {0, 1, 2, 4, 6, 8}, the
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from policy.causal_bound import CausalBound, causal_bound
 from policy.paper_actions import PaperMetrics, paper_metrics
 from policy.round_data import collect, first_target
 from profiler.schema import TraceError
@@ -63,6 +67,8 @@ class Evaluation:
     num_requests: int
     tokens_per_s: dict[str, float]
     headroom_captured: float | None  # None where the round oracle is no faster than rakv
+    causal: CausalBound
+    causal_headroom_captured: float | None  # None where the causal bound is no faster than rakv
     prediction: dict[str, Prediction]
     paper_actions: PaperMetrics | None  # None for a pair without a draft model
 
@@ -123,11 +129,18 @@ def evaluate_trace(policy_file: PolicyFile, trace: Trace, timing: Timing, famili
     inputs = timing.decision_inputs(held_out, Settings())
     rates = {name: service_tokens_per_s(held_out, timing, session_of(name, policy_file, held_out, timing, inputs))
              for name in CHOOSERS}
-    gap = rates["round-oracle"] - rates["rakv"]
+    causal = causal_bound(lambda settings: service_tokens_per_s(
+        held_out, timing, session_of("rakv", None, held_out, timing, timing.decision_inputs(held_out, settings))))
     paper = paper_metrics(held_out, timing, inputs) if inputs.draft_sizes is not None else None
     return Evaluation(trace.path.name, len(held_out.requests), rates,
-                      (rates["learned"] - rates["rakv"]) / gap if gap > 0 else None,
+                      captured(rates["learned"], rates["rakv"], rates["round-oracle"]), causal,
+                      captured(rates["learned"], rates["rakv"], causal.tokens_per_s),
                       predictions(policy_file, held_out, inputs), paper)
+
+
+def captured(rate: float, baseline: float, bound: float) -> float | None:
+    """The share of the gap from ``baseline`` to ``bound`` that ``rate`` closes (None: no gap)."""
+    return (rate - baseline) / (bound - baseline) if bound > baseline else None
 
 
 def evaluate(policy_path: Path, trace_path: Path, timing_path: Path | None = None) -> Evaluation:
@@ -142,8 +155,11 @@ def markdown(e: Evaluation) -> str:
              "| chooser | tok/s (service) | vs rakv |", "|---|---|---|"]
     lines += [f"| {name} | {rate:.2f} | {rate / e.tokens_per_s['rakv'] - 1:+.1%} |"
               for name, rate in e.tokens_per_s.items()]
-    captured = "n/a (no headroom)" if e.headroom_captured is None else f"{e.headroom_captured:.2f}"
-    lines += ["", f"headroom captured: {captured}", "",
+    share = lambda v: "n/a (no headroom)" if v is None else f"{v:.2f}"  # noqa: E731
+    lines += [f"| causal bound: rakv tuned in hindsight ({', '.join(e.causal.assignments)}) | {e.causal.tokens_per_s:.2f} | "
+              f"{e.causal.tokens_per_s / e.tokens_per_s['rakv'] - 1:+.1%} |"]
+    lines += ["", f"headroom captured: {share(e.headroom_captured)} of the round oracle's, "
+              f"{share(e.causal_headroom_captured)} of the causal bound's ({e.causal.num_tried} settings tried)", "",
               "| drafter | rows | AUC m>=1 | Brier | EWMA AUC | EWMA Brier |", "|---|---|---|---|---|---|"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [f"| {d} | {p.num_rows} | {fmt(p.auc)} | {p.brier:.3f} | {fmt(p.ewma_auc)} | {p.ewma_brier:.3f} |"

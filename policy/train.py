@@ -314,10 +314,11 @@ def run(args: argparse.Namespace) -> int:
         report = export(data, study, args.out)
         for e in report["test"]:
             rates = e["tokens_per_s"]
-            captured = e["headroom_captured"]
+            share = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
             print(f"wrote {args.out}: {e['trace']} test families ({e['num_requests']} requests): learned "
-                  f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}; "
-                  f"headroom captured {'n/a' if captured is None else f'{captured:.2f}'}", file=sys.stderr)
+                  f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}, "
+                  f"causal bound {e['causal']['tokens_per_s']:.2f}; headroom captured "
+                  f"{share(e['headroom_captured'])} (causal: {share(e['causal_headroom_captured'])})", file=sys.stderr)
         print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
