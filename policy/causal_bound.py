@@ -34,14 +34,15 @@ GRID = {"planner.draft_confidence": (0.0, 0.2, 0.4, 0.6, 0.8),
 @dataclass(frozen=True)
 class CausalBound:
     tokens_per_s: float  # the best rate over the grid
-    assignments: tuple[str, ...]  # its settings, as ``--set`` takes them
+    assignments: tuple[str, ...]  # its settings, as ``--set`` takes them (none: the base's)
     num_tried: int
 
 
 def causal_bound(rate_under: Callable[[Settings], float], base: Settings = Settings()) -> CausalBound:
     """The best ``rate_under(settings)`` (tokens per second of ``rakv`` replayed under
-    them) over ``GRID`` applied to ``base``; ties go to the first tried."""
-    best, best_assignments, tried = float("-inf"), (), 0
+    them) over ``base`` itself (no assignments: so the bound is ``rakv`` at the least) and
+    ``GRID`` applied to it; ties go to the first tried."""
+    best, best_assignments, tried = rate_under(base), (), 1
     for values in itertools.product(*GRID.values()):
         assignments = tuple(f"{key}={value}" for key, value in zip(GRID, values))
         settings = base

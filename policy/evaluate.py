@@ -143,6 +143,11 @@ def captured(rate: float, baseline: float, bound: float) -> float | None:
     return (rate - baseline) / (bound - baseline) if bound > baseline else None
 
 
+def share(value: float | None) -> str:
+    """A ``captured`` share as text."""
+    return "n/a (no headroom)" if value is None else f"{value:.2f}"
+
+
 def evaluate(policy_path: Path, trace_path: Path, timing_path: Path | None = None) -> Evaluation:
     policy_file = load_policy(policy_path)
     trace = load_trace(trace_path)
@@ -155,8 +160,8 @@ def markdown(e: Evaluation) -> str:
              "| chooser | tok/s (service) | vs rakv |", "|---|---|---|"]
     lines += [f"| {name} | {rate:.2f} | {rate / e.tokens_per_s['rakv'] - 1:+.1%} |"
               for name, rate in e.tokens_per_s.items()]
-    share = lambda v: "n/a (no headroom)" if v is None else f"{v:.2f}"  # noqa: E731
-    lines += [f"| causal bound: rakv tuned in hindsight ({', '.join(e.causal.assignments)}) | {e.causal.tokens_per_s:.2f} | "
+    tuned = ", ".join(e.causal.assignments) or "today's settings"
+    lines += [f"| causal bound: rakv tuned in hindsight ({tuned}) | {e.causal.tokens_per_s:.2f} | "
               f"{e.causal.tokens_per_s / e.tokens_per_s['rakv'] - 1:+.1%} |"]
     lines += ["", f"headroom captured: {share(e.headroom_captured)} of the round oracle's, "
               f"{share(e.causal_headroom_captured)} of the causal bound's ({e.causal.num_tried} settings tried)", "",

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, subset
+from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, share, subset
 from policy.round_data import (DrafterRows, collect, draft_acceptance, first_target, further_target, split_families,
                                token_prior)
 from profiler.schema import SCHEMA_VERSION, TraceError
@@ -314,7 +314,6 @@ def run(args: argparse.Namespace) -> int:
         report = export(data, study, args.out)
         for e in report["test"]:
             rates = e["tokens_per_s"]
-            share = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
             print(f"wrote {args.out}: {e['trace']} test families ({e['num_requests']} requests): learned "
                   f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}, "
                   f"causal bound {e['causal']['tokens_per_s']:.2f}; headroom captured "
