@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import sys
 import time
@@ -303,7 +304,14 @@ def run(args: argparse.Namespace) -> int:
                   f"http://{host}:{port}/v1", flush=True)
             config = uvicorn.Config(create_app(engine_loop, args.api_key), log_level="warning", access_log=False,
                                     lifespan="off", timeout_graceful_shutdown=5)
-            uvicorn.Server(config).run(sockets=[sock])
+            server = uvicorn.Server(config)
+            server.run(sockets=[sock])
+            # uvicorn shuts down on Ctrl-C and raises the signal again for the default
+            # handler, but asyncio.run's own SIGINT handler can take it after the server's
+            # task has finished, and then nothing is raised (a fresh clone's suite once saw
+            # status 0): a Ctrl-C the server took is an interrupt, status 130 (run_cli)
+            if signal.SIGINT in getattr(server, "_captured_signals", ()):
+                raise KeyboardInterrupt
         finally:
             engine_loop.stop()
     finally:
