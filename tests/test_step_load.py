@@ -26,7 +26,7 @@ DRAFTERS = (DRAFT_MODEL, NGRAM)
 @pytest.fixture(scope="module")
 def timings():
     """The Qwen pair's int4 calibration on a Zen 3 core (qwen-coder-chat-serve as recorded
-    at 7945320, kept here: a re-recording moves it): a draft step is 0.45 target steps,
+    at ab5d8eb, kept here: a re-recording moves it): a draft step is 0.45 target steps,
     9 rows cost 2.7 steps."""
     return settings_from_json(PairTimings, json.loads((FIXTURES / "qwen_int4_zen3_timings.json").read_text()))
 
