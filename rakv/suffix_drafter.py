@@ -113,7 +113,7 @@ class SequenceIndex:
             return
         data = entry.token_bytes
         self._sequences[entry.entry_id] = data
-        file_positions(self._positions, data, self.key_tokens, 0, len(data) // TOKEN_BYTES,
+        file_positions(self._positions, data, self.key_tokens, len(data) // TOKEN_BYTES,
                        entry.entry_id << _POSITION_BITS)
         self._num_live += max(0, len(data) // TOKEN_BYTES - self.key_tokens)
 
@@ -151,13 +151,13 @@ class SequenceIndex:
         return found
 
 
-def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_tokens: int, start: int, stop: int,
+def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_tokens: int, stop: int,
                    code: int = 0) -> None:
-    """File positions ``start`` .. ``stop`` - 1 of the int64 bytes ``data`` (each with a
-    token after it: ``stop`` at most its length) under the ``key_tokens`` tokens before
-    each, as ``code | position``, in position order."""
+    """File the positions before ``stop`` of the int64 bytes ``data`` (each with a token
+    after it: ``stop`` at most its length) under the ``key_tokens`` tokens before each, as
+    ``code | position``, in position order."""
     w = TOKEN_BYTES
-    for p in range(max(start, key_tokens), stop):
+    for p in range(key_tokens, stop):
         key = bytes(data[(p - key_tokens) * w:p * w])
         filed = table.get(key)
         if filed is None:

@@ -106,7 +106,7 @@ def test_searching_a_request_finds_what_filing_it_would():
         n, limit = int(rng.integers(1, 4)), int(rng.integers(1, 50))
         length = int(rng.integers(0, len(tokens) + 1))
         filed: dict[bytes, list[int]] = {}
-        file_positions(filed, context, n, 0, length)
+        file_positions(filed, context, n, length)
         for p in range(n, length + 1):
             key = context[(p - n) * 8:p * 8]
             assert own_positions(context, key, length, limit) == filed.get(key, [])[::-1][:limit]
