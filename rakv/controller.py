@@ -26,7 +26,7 @@ from rakv.suffix_drafter import suffix_prior
 from rakv.prefix_index import as_token_array
 from rakv.round_planner import (AcceptanceCount, AdaptiveRounds, FixedRounds, PlannerConfig, RoundCosts,
                                 initial_estimate, round_costs)
-from rakv.step_load import StepLoad, load_prices
+from rakv.step_load import StepLoad
 
 RoundPlanner = FixedRounds | AdaptiveRounds
 
@@ -190,10 +190,11 @@ class CostModelPolicy:
         if DRAFT_MODEL not in self.drafters:
             return False
         max_k = self.config.rounds.max_k
-        prices = load_prices(StepLoad(n, n), self.timings, (DRAFT_MODEL,), max_k, decode_context(features))
-        plain_rate = prices.plain_rate(self.config.rounds.min_gain)
-        progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), prices.costs_s[DRAFT_MODEL]
-        return all((prices.offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))  # as ``priced``'s
+        offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
+                                                         self.config.rounds.min_gain)
+        progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), costs_s[DRAFT_MODEL]
+        return all((offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""

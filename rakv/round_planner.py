@@ -116,6 +116,20 @@ class RoundCosts:
 
     MAX_LOADS = 4096  # load_memo's entries at most (it starts again empty past them)
 
+    def load_priced(self, load: StepLoad, drafters: tuple[str, ...], max_k: int,
+                    min_gain: float) -> tuple[float, float, Mapping[str, Sequence[float]]]:
+        """(the others' tokens, the rate a round must beat, each drafter's round seconds)
+        of ``drafters``' rounds in a step under ``load`` (``rakv.step_load.load_prices`` at
+        this context), computed once per argument set."""
+        key = (load, drafters, max_k, min_gain)
+        priced = self.load_memo.get(key)
+        if priced is None:
+            if len(self.load_memo) >= self.MAX_LOADS:
+                self.load_memo.clear()
+            prices = load_prices(load, self.timings, drafters, max_k, self.num_context)
+            priced = self.load_memo[key] = (prices.offset, prices.plain_rate(min_gain), prices.costs_s)
+        return priced
+
 
 def round_costs(timings: PairTimings, drafters: tuple[str, ...], max_k: int, num_context: int) -> RoundCosts:
     return RoundCosts(round_s(timings, DRAFT_MODEL, 0, num_context),
@@ -285,7 +299,6 @@ class AdaptiveRounds:
         self.costs_s = costs.round_s  # per drafter: seconds of a round drafting k = 0..max_k tokens
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
-        self._load_key = (drafters, config.max_k, config.min_gain)  # what else the load's prices depend on
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
         # Per drafter, the acceptance at or below which none of its rounds can beat that
         # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
@@ -343,14 +356,7 @@ class AdaptiveRounds:
         costs = self._round_costs
         if load is None or not load.num_others or costs is None:
             return 0.0, self._plain_rate, self.costs_s
-        key = (load, self._load_key)
-        priced = costs.load_memo.get(key)
-        if priced is None:
-            if len(costs.load_memo) >= RoundCosts.MAX_LOADS:
-                costs.load_memo.clear()
-            prices = load_prices(load, costs.timings, self.drafters, self._max_k, costs.num_context)
-            priced = costs.load_memo[key] = (prices.offset, prices.plain_rate(self.config.min_gain), prices.costs_s)
-        return priced
+        return costs.load_priced(load, self.drafters, self._max_k, self.config.min_gain)
 
     def _priced(self, drafter: str, signal: int, a: float | None = None,
                 costs_s: Sequence[float] | None = None) -> tuple[list[float], Sequence[float]]:

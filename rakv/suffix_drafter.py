@@ -25,6 +25,7 @@ and rounds replay exactly.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -66,7 +67,7 @@ SUFFIX_PRIOR_BY_BUCKET = {1: 0.45, 2: 0.6, 3: 0.75, 4: 0.85}
 def suffix_signal(match: int, num_matches: int, first_share: float) -> int:
     if match == 0:
         return 0
-    bucket = 1 + sum(match >= b for b in MATCH_BUCKETS)
+    bucket = 1 + bisect_right(MATCH_BUCKETS, match)  # 1 + the bucket bounds it reaches
     kind = ONE if num_matches == 1 else AGREE if first_share == 1.0 else SPLIT
     return bucket + 4 * kind
 
@@ -193,6 +194,8 @@ def match_length(source: bytes | bytearray, position: int, context: bytes | byte
     ``limit``. Gallops, then halves: a short match costs one comparison."""
     w = TOKEN_BYTES
     low, high, step = known, min(limit, position, length), 1
+    if low < high and source[w * (position - high):w * position] == context[w * (length - high):w * length]:
+        return high  # as long as it can be: a repeat's match, most often
     while low < high:
         m = min(low + step, high)
         if source[w * (position - m):w * position] == context[w * (length - m):w * length]:
@@ -215,6 +218,9 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
     follow, at most ``cap`` tokens; and the share of them that follow its first token (0:
     no draft). Equal continuations are walked as one, weighted by their number."""
     w = TOKEN_BYTES
+    if len(continuations) == 1:  # the common case: one match, followed whole
+        c = continuations[0][:cap * w]
+        return memoryview(c).cast("q").tolist(), 1.0 if c else 0.0
     groups: dict[bytes, int] = {}  # in first-seen order, so ties still go to the earlier candidate
     for c in continuations:
         groups[c] = groups.get(c, 0) + 1
@@ -253,7 +259,7 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
         draft += token
         alive = [(c, n) for c, n in alive if len(c) > depth * w and c[at] == token]
         depth += 1
-    return np.frombuffer(bytes(draft), dtype=np.int64).tolist(), first_share
+    return memoryview(draft).cast("q").tolist(), first_share
 
 
 def _common_tokens(low: bytes, high: bytes, depth: int, cap: int) -> int:
@@ -277,7 +283,7 @@ class SuffixDrafter:
 
     def __init__(self, store: SequenceIndex | None, config: SuffixConfig = SuffixConfig(), max_k: int = 16):
         self.store, self.config, self.max_k = store, config, max_k
-        self._context = bytearray()  # the request's tokens so far, int64 bytes
+        self._context = b""  # the request's tokens so far (a replay's: all of them), int64 bytes
         self._memo: tuple[int, list[int], int] = (-1, [], 0)  # (length, proposal up to max_k, signal)
 
     @classmethod
@@ -301,8 +307,10 @@ class SuffixDrafter:
     def rollback(self, num_valid: int) -> None:
         pass  # the true sequence of a given length never changes
 
-    def _extend(self, tokens: Sequence[int], length: int) -> None:
-        """The request's own tokens up to ``length``, as int64 bytes."""
+    def extend(self, tokens: Sequence[int], length: int) -> None:
+        """Holds the request's own tokens up to ``length`` at least, as int64 bytes (a
+        lookup at a length reads no further: a replay, which knows them all, gives them
+        at once)."""
         known = len(self._context) // TOKEN_BYTES
         if length > known:
             self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
@@ -310,11 +318,11 @@ class SuffixDrafter:
     def _lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
         config, w = self.config, TOKEN_BYTES
         n = config.key_tokens
-        self._extend(tokens, length)
+        self.extend(tokens, length)
         if length < n:
             return [], 0
         context = self._context
-        key = bytes(context[(length - n) * w:length * w])
+        key = context[(length - n) * w:length * w]
         # the request's own positions before ``length`` (a replay may look an earlier length up
         # after a later one), their continuations cut there; then the store's
         candidates = [(context, p, length) for p in own_positions(context, key, length, config.max_candidates)]
@@ -336,7 +344,7 @@ class SuffixDrafter:
             else:
                 longest.append(candidate)
         cap = min(self.max_k, max(1, int(config.spec_factor * best)))
-        continuations = [bytes(source[p * w:min(p + cap, end) * w]) for source, p, end in longest]
+        continuations = [source[p * w:min(p + cap, end) * w] for source, p, end in longest]  # bytes
         draft, first_share = walk_continuations(continuations, cap, config.min_prob)
         return draft, suffix_signal(best, len(continuations), first_share) if draft else 0
 
@@ -351,7 +359,9 @@ class SuffixColumns:
     def __init__(self, drafter: SuffixDrafter, tokens: Sequence[int], num_prompt: int, num_positions: int,
                  output: Sequence[int] | None = None):
         self.drafter, self.tokens, self.num_prompt = drafter, tokens, num_prompt
-        self._output = output
+        self._output = None if output is None else np.asarray(output, dtype=np.int64).tolist()
+        if output is not None:  # a replay: every token is known now
+            drafter.extend(tokens, len(tokens))
         self._looked: dict[int, tuple[list[int], int]] = {}  # t -> (proposal, signal)
         self.signals = _Column(self._signal)
         self.proposed = _Column(self._proposed)
