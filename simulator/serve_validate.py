@@ -18,7 +18,13 @@ The overheads are fitted on the closed loops' steps: "in sample" on all of them,
 sample" on the other loads' only (leave one load out; an open loop is always out of
 sample). Imports no torch.
 
+How close the replay can come is bounded by how well the machine repeats itself: with
+``--again``, another recording of the same loads (the same arguments, recorded after) is
+set against this one figure by figure, as the replay is. A figure the machine does not
+repeat within 5 % cannot be validated within 5 %.
+
     python -m simulator.serve_validate --trace traces/smollm2-humaneval-serve
+    python -m simulator.serve_validate --trace traces/smollm2-chat-serve --again traces/smollm2-chat-serve-again
 """
 from __future__ import annotations
 
@@ -94,6 +100,22 @@ class LoadFidelity:
     recorded: LoadLatencies  # the served requests as measured
     simulated: LoadLatencies  # free-running, overheads in sample
     simulated_out: LoadLatencies  # free-running, overheads fitted on the other loads
+    again: LoadLatencies | None = None  # the same load in another recording (``--again``)
+
+
+TOLERANCE = 0.05  # the issue's goal: each figure within 5 % of the measured
+
+
+def figures(latencies: LoadLatencies) -> tuple[float, ...]:
+    """The figures a load is validated on: p50 and p90 of TTFT, ITL and e2e, and output tok/s."""
+    return (latencies.ttft.p50_s, latencies.ttft.p90_s, latencies.itl.p50_s, latencies.itl.p90_s,
+            latencies.e2e.p50_s, latencies.e2e.p90_s, latencies.output_tok_per_s)
+
+
+def num_within(got: LoadLatencies, want: LoadLatencies, tolerance: float = TOLERANCE) -> int:
+    """How many of ``got``'s figures are within ``tolerance`` of ``want``'s (a figure of
+    0, an ITL where every request made one token, only by equal)."""
+    return sum(abs(g / w - 1.0) <= tolerance if w > 0 else g == w for g, w in zip(figures(got), figures(want)))
 
 
 def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None,
@@ -167,9 +189,16 @@ class ServingReplay:
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals)
 
 
-def validate_serving(trace: Trace) -> list[LoadFidelity]:
+def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidelity]:
+    """Every recorded (load, policy) replayed; ``again``: another recording of the same
+    loads, each set beside this one's."""
     steps = recorded_table(trace, "steps")
     served = recorded_table(trace, "served")
+    served_again = recorded_table(again, "served") if again is not None else {}
+    missing = [f"{load} {policy}" for load, policy in steps if again is not None and (load, policy) not in served_again]
+    if missing:
+        raise TraceError(f"{again.path}: no recording of {', '.join(missing)}: --again needs the same loads and "
+                         f"policies")
     loads = ServingReplay(trace)
     closed = [key for key in steps if key[0].startswith("c=")]
     compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
@@ -187,7 +216,8 @@ def validate_serving(trace: Trace) -> list[LoadFidelity]:
         errors = (step_errors(everything, compositions[load, policy], rows, draft_rows[load, policy])
                   if check is not None else None)
         results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
-                                    load_latencies(run_out.times())))
+                                    load_latencies(run_out.times()),
+                                    load_latencies(served_times(served_again[load, policy])) if again else None))
     return results
 
 
@@ -203,7 +233,7 @@ def _p50_p90_error(got: Percentiles, want: Percentiles) -> str:
     return f"{_error(got.p50_s, want.p50_s)} / {_error(got.p90_s, want.p90_s)}"
 
 
-def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
+def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None) -> str:
     lines = [f"{trace.path.name}: the steps of each closed loop replayed through the engine's scheduler, and "
              f"priced from the op grid (overheads fitted on the closed loops' steps)",
              "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % "
@@ -226,6 +256,19 @@ def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
             cells += [_p50_p90_error(sim.ttft, rec.ttft), _p50_p90_error(sim.itl, rec.itl),
                       _p50_p90_error(sim.e2e, rec.e2e), _error(sim.output_tok_per_s, rec.output_tok_per_s)]
         lines.append(f"| {row.load} | {row.policy} | " + " | ".join(cells) + " |")
+    num_figures = len(rows) * len(figures(rows[0].recorded)) if rows else 0
+    def within(field: str) -> int:
+        return sum(num_within(getattr(r, field), r.recorded) for r in rows)
+    summary = (f"Within {TOLERANCE * 100:.0f} % of the served requests' figures: the replay {within('simulated')} of "
+               f"{num_figures} in sample, {within('simulated_out')} out of sample")
+    if again is not None:
+        lines += ["", f"{again.path.name}, the same loads recorded again, against this recording: error % of "
+                      f"p50 / p90", "| load | policy | TTFT | ITL | e2e | output tok/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.load} | {r.policy} | {_p50_p90_error(r.again.ttft, r.recorded.ttft)} | "
+                  f"{_p50_p90_error(r.again.itl, r.recorded.itl)} | {_p50_p90_error(r.again.e2e, r.recorded.e2e)} | "
+                  f"{_error(r.again.output_tok_per_s, r.recorded.output_tok_per_s)} |" for r in rows]
+        summary += f"; the recording made again {within('again')}"
+    lines += ["", summary + "."]
     for row in rows:
         if row.steps is not None and row.steps.first_difference is not None:
             lines.append(f"{row.load} {row.policy}: {row.steps.first_difference}")
@@ -234,8 +277,9 @@ def markdown(trace: Trace, rows: list[LoadFidelity]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
-    rows = validate_serving(trace)
-    print(json.dumps([asdict(r) for r in rows]) if args.json else markdown(trace, rows))
+    again = load_trace(args.again) if args.again is not None else None
+    rows = validate_serving(trace, again)
+    print(json.dumps([asdict(r) for r in rows]) if args.json else markdown(trace, rows, again))
     return 1 if any(r.steps is not None and r.steps.first_difference is not None for r in rows) else 0
 
 
@@ -248,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
                     "its served requests' latencies and throughput.")
     parser.add_argument("--trace", type=Path, required=True,
                         help="a serving trace directory (recorded with profiler.record --serve-concurrency)")
+    parser.add_argument("--again", type=Path, default=None,
+                        help="another recording of the same loads (the same profiler.record arguments, recorded "
+                             "after): each figure set beside this one's, the floor the replay's errors stand on")
     parser.add_argument("--json", action="store_true", help="print one JSON list")
     return run_cli(run, parser.parse_args(argv), (ValueError, TraceError, SessionError, CostModelError, OSError))
 

@@ -130,6 +130,21 @@ def test_the_validation_reports_every_load(recorded, capsys):
         assert row.simulated.output_tok_per_s == pytest.approx(row.recorded.output_tok_per_s, rel=0.25)
 
 
+def test_again_sets_another_recording_of_the_loads_beside_this_one(recorded, capsys):
+    """``--again``: each figure of another recording of the same loads against this one's,
+    counted as the replay's are; a recording against itself agrees on every figure."""
+    num_figures = 7 * len(serve_validate.validate_serving(recorded))
+    assert serve_validate.main(["--trace", str(recorded.path), "--again", str(recorded.path)]) == 0
+    out = capsys.readouterr().out
+    assert "the same loads recorded again" in out and f"of {num_figures} in sample" in out
+    assert out.rstrip().endswith(f"; the recording made again {num_figures}.")
+    # the shipped trace's loads (rate=2 among them) are not all in the fixture's recording
+    assert serve_validate.main(["--trace", str(TRACES / "smollm2-humaneval-serve"), "--again",
+                                str(recorded.path)]) == 2
+    err = capsys.readouterr().err
+    assert "no recording of" in err and "rate=2" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_trace_without_steps_is_a_one_line_error(capsys):
     assert serve_validate.main(["--trace", str(TRACES / "smollm2-chat")]) == 2
     err = capsys.readouterr().err
