@@ -190,7 +190,8 @@ class CostModelPolicy:
         if DRAFT_MODEL not in self.drafters:
             return False
         max_k = self.config.rounds.max_k
-        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))  # as ``priced``'s
+        # the costs ``priced`` read at this context: requests of one length share their load prices
+        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
         offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
                                                          self.config.rounds.min_gain)
         progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), costs_s[DRAFT_MODEL]

@@ -191,7 +191,8 @@ def match_length(source: bytes | bytearray, position: int, context: bytes | byte
                  known: int, limit: int) -> int:
     """How many tokens before ``position`` of ``source`` equal the last of the first
     ``length`` tokens of ``context``: ``known`` at least (already compared), at most
-    ``limit``. Gallops, then halves: a short match costs one comparison."""
+    ``limit``. Tries the longest first (a repeat's match, the common case), then gallops
+    and halves: a short match costs two comparisons."""
     w = TOKEN_BYTES
     low, high, step = known, min(limit, position, length), 1
     if low < high and source[w * (position - high):w * position] == context[w * (length - high):w * length]:
@@ -359,8 +360,9 @@ class SuffixColumns:
     def __init__(self, drafter: SuffixDrafter, tokens: Sequence[int], num_prompt: int, num_positions: int,
                  output: Sequence[int] | None = None):
         self.drafter, self.tokens, self.num_prompt = drafter, tokens, num_prompt
-        self._output = None if output is None else np.asarray(output, dtype=np.int64).tolist()
-        if output is not None:  # a replay: every token is known now
+        self._output = None
+        if output is not None:  # a replay: the whole output is known, and every token with it
+            self._output = np.asarray(output, dtype=np.int64).tolist()  # a list: runs compared at once
             drafter.extend(tokens, len(tokens))
         self._looked: dict[int, tuple[list[int], int]] = {}  # t -> (proposal, signal)
         self.signals = _Column(self._signal)

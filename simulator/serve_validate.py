@@ -194,11 +194,13 @@ def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidel
     loads, each set beside this one's."""
     steps = recorded_table(trace, "steps")
     served = recorded_table(trace, "served")
-    served_again = recorded_table(again, "served") if again is not None else {}
-    missing = [f"{load} {policy}" for load, policy in steps if again is not None and (load, policy) not in served_again]
-    if missing:
-        raise TraceError(f"{again.path}: no recording of {', '.join(missing)}: --again needs the same loads and "
-                         f"policies")
+    served_again = {}
+    if again is not None:
+        served_again = recorded_table(again, "served")
+        missing = [f"{load} {policy}" for load, policy in steps if (load, policy) not in served_again]
+        if missing:
+            raise TraceError(f"{again.path}: no recording of {', '.join(missing)}: --again needs the same loads "
+                             f"and policies")
     loads = ServingReplay(trace)
     closed = [key for key in steps if key[0].startswith("c=")]
     compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
@@ -257,8 +259,10 @@ def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None)
                       _p50_p90_error(sim.e2e, rec.e2e), _error(sim.output_tok_per_s, rec.output_tok_per_s)]
         lines.append(f"| {row.load} | {row.policy} | " + " | ".join(cells) + " |")
     num_figures = len(rows) * len(figures(rows[0].recorded)) if rows else 0
-    def within(field: str) -> int:
+
+    def within(field: str) -> int:  # figures of every load within the tolerance: "simulated", ...
         return sum(num_within(getattr(r, field), r.recorded) for r in rows)
+
     summary = (f"Within {TOLERANCE * 100:.0f} % of the served requests' figures: the replay {within('simulated')} of "
                f"{num_figures} in sample, {within('simulated_out')} out of sample")
     if again is not None:
