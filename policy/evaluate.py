@@ -130,7 +130,8 @@ def evaluate_trace(policy_file: PolicyFile, trace: Trace, timing: Timing, famili
     rates = {name: service_tokens_per_s(held_out, timing, session_of(name, policy_file, held_out, timing, inputs))
              for name in CHOOSERS}
     causal = causal_bound(lambda settings: service_tokens_per_s(
-        held_out, timing, session_of("rakv", None, held_out, timing, timing.decision_inputs(held_out, settings))))
+        held_out, timing, session_of("rakv", None, held_out, timing, timing.decision_inputs(held_out, settings))),
+        base_rate=rates["rakv"])  # rakv under today's settings, replayed above
     paper = paper_metrics(held_out, timing, inputs) if inputs.draft_sizes is not None else None
     return Evaluation(trace.path.name, len(held_out.requests), rates,
                       captured(rates["learned"], rates["rakv"], rates["round-oracle"]), causal,
