@@ -44,6 +44,7 @@ TRACES=(
   "qwen-coder-humaneval-serve|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies ar,spec-k2,rakv"
   "qwen-coder-humaneval-serve-again|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies ar,spec-k2,rakv"
   "qwen-coder-chat-serve|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,kv-only,ngram-k2,rakv,learned"
+  "qwen-coder-chat-serve-again|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,kv-only,ngram-k2,rakv,learned"
   "qwen-coder-code-repeat|--pair qwen-coder --workload code-repeat --requests 24 --max-new-tokens 96 --grid calibration --runs-sample 24 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
   "qwen-coder-sql-template|--pair qwen-coder --workload sql-template --requests 32 --max-new-tokens 96 --grid calibration --runs-sample 32 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
 )
