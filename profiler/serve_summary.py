@@ -1,9 +1,10 @@
-"""``python -m profiler.serve_summary --trace DIR``: what a serving trace measured, as tables.
-Imports no torch.
+"""``python -m profiler.serve_summary --trace DIR [--slo ttft=S,itl=S]``: what a serving
+trace measured, as tables. Imports no torch.
 
 Per (load, policy) of the served and steps tables: output tok/s (every output token over
 the span from the first arrival to the last finish), TTFT and e2e medians, the steps and
-their mean requests and rows, outputs equal to greedy, preemptions. Then the batched
+their mean requests and rows, outputs equal to greedy, preemptions, and with an SLO the
+measured goodput (as ``simulator.replay --slo`` reports the replayed one). Then the batched
 forwards of the ops table (op ``batch``): each shape's median, and in one-row steps (one
 request, one row, at the same context).
 
@@ -150,6 +151,8 @@ class LoadSummary:
     num_identical: int
     num_requests: int
     num_preemptions: int
+    num_meeting_slo: int | None  # None: no SLO stated
+    goodput_per_s: float | None  # num_meeting_slo / the load's span
 
 
 def _load_order(label: str) -> tuple[str, float]:
@@ -157,8 +160,9 @@ def _load_order(label: str) -> tuple[str, float]:
     return kind, float(value)
 
 
-def summarize_loads(served: list[ServedRow], steps: list[StepRow]) -> list[LoadSummary]:
-    """One summary per (load, policy), concurrency before rate, each by its number."""
+def summarize_loads(served: list[ServedRow], steps: list[StepRow], slo: Slo | None = None) -> list[LoadSummary]:
+    """One summary per (load, policy), concurrency before rate, each by its number; its
+    goodput under ``slo`` where one is stated."""
     requests, ran = defaultdict(list), defaultdict(list)
     for row in served:
         requests[row.load, row.policy].append(row)
@@ -166,13 +170,16 @@ def summarize_loads(served: list[ServedRow], steps: list[StepRow]) -> list[LoadS
         ran[step.load, step.policy].append(step)
     summaries = []
     for (load, policy), rows in sorted(requests.items(), key=lambda kv: (_load_order(kv[0][0]), kv[0][1])):
-        measured = load_latencies(served_times(rows))
+        times = served_times(rows)
+        measured = load_latencies(times)
+        num_meeting = num_meeting_slo(times, slo) if slo is not None and slo.stated else None
         its_steps = ran[load, policy]
         num_steps = max(len(its_steps), 1)
         summaries.append(LoadSummary(
             load, policy, measured.output_tok_per_s, measured.ttft.p50_s, measured.e2e.p50_s, len(its_steps),
             sum(len(s.request_ids) for s in its_steps) / num_steps, sum(sum(s.rows) for s in its_steps) / num_steps,
-            sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows)))
+            sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows), num_meeting,
+            None if num_meeting is None else num_meeting / measured.span_s if measured.span_s > 0 else 0.0))
     return summaries
 
 
@@ -186,6 +193,10 @@ def batched_medians_s(ops) -> dict[tuple[str, int, int, int], float]:
 
 
 def run(args) -> int:
+    try:
+        slo = parse_slo(args.slo) if args.slo is not None else None
+    except ValueError as exc:
+        raise ValueError(f"--slo: {exc}") from None
     trace = args.trace
     meta = read_meta(trace)
     served = table_to_rows("served", read_table(trace, "served"))
@@ -194,13 +205,15 @@ def run(args) -> int:
     steps = table_to_rows("steps", read_table(trace, "steps"))
     print(f"{trace}: {meta.models.get('pair')} in {meta.models.get('weights')}, {len(served)} served requests, "
           f"{len(steps)} steps")
+    with_slo = slo is not None and slo.stated
     print("| load | policy | out tok/s | TTFT p50 (ms) | e2e p50 (s) | steps | requests / step | rows / step "
-          "| equal to greedy | preemptions |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for s in summarize_loads(served, steps):
+          "| equal to greedy | preemptions |" + (f" goodput (req/s, {slo.describe()}) |" if with_slo else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_slo else ""))
+    for s in summarize_loads(served, steps, slo):
+        goodput = f" {s.goodput_per_s:.3f} ({s.num_meeting_slo} of {s.num_requests}) |" if with_slo else ""
         print(f"| {s.load} | {s.policy} | {s.output_tok_per_s:.2f} | {s.ttft_p50_s * 1e3:.0f} | {s.e2e_p50_s:.2f} | "
               f"{s.num_steps} | {s.mean_requests_per_step:.2f} | {s.mean_rows_per_step:.1f} | "
-              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} |")
+              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} |{goodput}")
     medians = batched_medians_s(table_to_rows("ops", read_table(trace, "ops")))
     if medians:
         print("\n| model | context | requests x rows | ms | in one-row steps |")
@@ -217,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Tables of a serving trace: each load's throughput and latency, and "
                                             "the batched forwards' costs.")
     p.add_argument("--trace", type=Path, required=True, help="a trace directory recorded with --serve-*")
-    return run_cli(run, p.parse_args(argv), (TraceError, OSError))
+    p.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
+                   help="bounds in seconds, any subset: also each load's measured goodput, the requests meeting "
+                        "every bound per second of its span (itl: a request's mean inter-token latency)")
+    return run_cli(run, p.parse_args(argv), (TraceError, OSError, ValueError))
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def curve_of(points: dict[float, list[float]]) -> Curve:
     return Curve(tuple(xs), tuple(median(points[x]) for x in xs))
 
 
-def _surface(points: dict[tuple[float, float], list[float]]) -> Surface:
+def surface(points: dict[tuple[float, float], list[float]]) -> Surface:
     """Points keyed (x, z); each z needs its own x points."""
     by_z: dict[float, dict[float, list[float]]] = defaultdict(dict)
     for (x, z), values in points.items():
@@ -181,7 +181,7 @@ def _model_costs(rows: list[OpRow], role: str) -> ModelCosts:
     missing = [op for op, found in points.items() if not found]
     if missing:
         raise CostModelError(f"the ops table holds no {', '.join(missing)} timings of the {role} model")
-    return ModelCosts(_surface(points["prefill"]), curve_of(points["decode"]), _surface(points["verify"]))
+    return ModelCosts(surface(points["prefill"]), curve_of(points["decode"]), surface(points["verify"]))
 
 
 def _store_curve(rows: list[OpRow], model: str, op: str, by_bytes: bool) -> Curve:

@@ -7,13 +7,21 @@ Linear layers stream the weights once whatever the rows, then cost per row once 
 outgrow the stream, and its attention costs per row and cached token. So a forward over
 works of r_i rows after c_i cached positions costs
 
-    rows(R) + per_request * (b - 1) + per_position * sum_i r_i c_i,    R = sum_i r_i,
+    rows(R) + per_request(L / b, b) * (b - 1) + per_position * sum_i r_i c_i,    R = sum_i r_i,
 
-over b works: ``rows`` a curve over the total rows through the op grid's one-request
-points at its smallest context (``1 x r`` batched points, and prefills of n tokens on an
-empty cache where no batched point has n rows), ``per_request`` the median, over the
-batched points of b > 1 requests, of what each further request adds to ``rows`` of their
-total (its attention, rotary and cache calls), ``per_position`` the median of what the
+over b works computing L logits rows (every row of a decode or a verification, one at
+most of a prefill chunk, one per request of a draft forward): ``rows`` a curve over the
+total rows through the op grid's one-request points at its smallest context (``1 x r``
+batched points, and one request's chunks and prefills of n tokens on an empty cache where
+no batched point has n rows), ``per_request`` what each further request adds to ``rows``
+of their total, a surface through the batched points of b > 1 requests of r rows each,
+linear between them in rows and in requests, read at the mean logits rows each and held
+at the grid's most beyond it. Past the ``1 x r`` points the rows curve runs through
+chunks and prefills, which compute one logits row, where a step's decodes and
+verifications compute one per row (Qwen's 151,936-word head: about 3 ms a row on a Zen 3
+core): so a further request costs more the more logits rows it brings (Qwen int4, 8
+requests: 3 ms each at one row, 15 ms at five), and one median of it overpriced plain
+steps and underpriced verifications by 5-13 %. ``per_position`` the median of what the
 grid's largest context adds per row and cached position. The draft model's proposals are
 its own forwards, priced alike by the draft's points: the first over each drafting
 request's rows its draft cache lacks (its catch-up: the tokens since its last round, the
@@ -32,26 +40,32 @@ from typing import Sequence
 
 from rakv.drafters import DRAFT_MODEL
 from rakv.op_timing import OpRow
-from rakv.scheduler import VERIFY
-from simulator.costs import CostModelError, Curve, least_relative_error
+from rakv.scheduler import PREFILL, VERIFY
+from simulator.costs import CostModelError, Curve, Surface, least_relative_error, surface
 
 
 @dataclass(frozen=True)
 class ForwardCosts:
-    """One model's batched forward: ``rows`` over the total rows, plus ``per_position``
-    seconds per row and cached position."""
+    """One model's batched forward: ``rows`` over the total rows, ``per_request`` for each
+    further request by the mean logits rows each, and ``per_position`` seconds per row and
+    cached position."""
 
     rows: Curve
-    per_request: float
+    per_request: Surface | None  # (logits rows each, requests) -> seconds; None: one-request grid only
+    max_rows_each: float  # the grid's most rows each: per_request is held there beyond it
     per_position: float
 
-    def seconds(self, works: Sequence[tuple[int, int]]) -> float:
-        """A forward over works of (rows, cached positions)."""
+    def seconds(self, works: Sequence[tuple[int, int]], num_logits: int | None = None) -> float:
+        """A forward over works of (rows, cached positions) computing ``num_logits`` logits
+        rows (None: every row's, as decodes and verifications do)."""
         total = sum(r for r, _ in works)
         if not total:
             return 0.0
-        return (self.rows(total) + self.per_request * (len(works) - 1)
-                + self.per_position * sum(r * c for r, c in works))
+        seconds = self.rows(total) + self.per_position * sum(r * c for r, c in works)
+        if len(works) > 1 and self.per_request is not None:
+            each = (total if num_logits is None else num_logits) / len(works)
+            seconds += self.per_request(min(each, self.max_rows_each), len(works)) * (len(works) - 1)
+        return seconds
 
 
 def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
@@ -86,9 +100,11 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
         top = max(top, median(points[x]))
         ys.append(top)
     rows = Curve(tuple(float(x) for x in xs), tuple(ys))
-    added = [(median(seconds) - per_position * b * r * low - rows(b * r)) / (b - 1)
-             for (b, r, c), seconds in batched.items() if c == low and b > 1]
-    return ForwardCosts(rows, max(median(added), 0.0) if added else 0.0, per_position)
+    added = {(r, b): [max((median(seconds) - per_position * b * r * low - rows(b * r)) / (b - 1), 0.0)]
+             for (b, r, c), seconds in batched.items() if c == low and b > 1}
+    if not added:
+        return ForwardCosts(rows, None, 0.0, per_position)
+    return ForwardCosts(rows, surface(added), float(max(r for r, _ in added)), per_position)
 
 
 def draft_rounds(composition, draft_rows: Sequence[int] = ()) -> list[tuple[int, int, int]]:
@@ -115,14 +131,16 @@ class StepCosts:
     overhead: StepOverhead = StepOverhead(0.0, 0.0)
 
     def forward_s(self, composition) -> float:
-        return self.target.seconds(list(zip(composition.rows, composition.num_cached)))
+        # a prefill chunk computes one logits row at most (the prompt's last chunk's)
+        num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
+        return self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
 
     def propose_s(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
         rounds = draft_rounds(composition, draft_rows)
         if not rounds or self.draft is None:
             return 0.0
-        first = self.draft.seconds([(behind, c) for _, c, behind in rounds])
+        first = self.draft.seconds([(behind, c) for _, c, behind in rounds], len(rounds))  # a logits row each
         return first + sum(self.draft.seconds([(1, c + j) for proposed, c, _ in rounds if proposed > j])
                            for j in range(1, max(p for p, _, _ in rounds)))
 

@@ -72,11 +72,34 @@ def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
            for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
     ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
     forward = fit_forward(ops, "target")
-    assert forward.per_request == pytest.approx(0.002) and forward.per_position == pytest.approx(1e-6)
+    assert forward.per_request(1, 2) == pytest.approx(0.002) == forward.per_request(2, 4)
+    assert forward.per_position == pytest.approx(1e-6)
     works = [(1, 100), (5, 300), (2, 40)]
     assert forward.seconds(works) == pytest.approx(0.1 + 0.01 * 8 + 0.002 * 2 + 1e-6 * (100 + 1500 + 80))
     costs = fit_step_costs(ops, [], [])
     assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
+
+
+def test_a_further_request_costs_by_its_rows():
+    """Where each further request in a forward costs more with more logits rows, the grid's
+    batched points are priced exactly, a step between them by its mean logits rows, a step
+    of more each than the grid holds at the grid's most, and a prefill chunk (one logits
+    row at most) by the rows that compute logits."""
+    def seconds(b, r, c):
+        return 0.1 + 0.01 * b * r + (0.002 + 0.003 * r) * (b - 1) + 1e-6 * b * r * c
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
+           for b in (1, 2, 4, 8) for r in (1, 2, 5) for c in (128, 512) for i in range(3)]
+    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (16, 64)]
+    forward = fit_forward(ops, "target")
+    for b in (2, 4, 8):
+        for r in (1, 2, 5):
+            assert forward.seconds([(r, 128)] * b) == pytest.approx(seconds(b, r, 128))
+    assert forward.seconds([(1, 0), (3, 0), (1, 0)]) == pytest.approx(0.1 + 0.05 + (0.002 + 0.003 * 5 / 3) * 2)
+    assert forward.seconds([(40, 0), (1, 0)]) == pytest.approx(0.1 + 0.41 + 0.002 + 0.003 * 5)
+    assert forward.seconds([(40, 0), (1, 0)], num_logits=2) == pytest.approx(0.1 + 0.41 + 0.002 + 0.003)
+    from rakv.scheduler import Composition
+    step = Composition((0, 1, 2), ("prefill", "decode", "verify"), (40, 1, 3), (0, 0, 0), ("", "", "ngram"), (0, 0, 2))
+    assert fit_step_costs(ops, [], []).forward_s(step) == pytest.approx(forward.seconds([(40, 0), (1, 0), (3, 0)], 5))
 
 
 def test_a_draft_round_first_catches_its_draft_cache_up():

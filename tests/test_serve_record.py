@@ -141,6 +141,17 @@ def test_the_summary_has_a_row_per_load_and_policy(trace, capsys):
     assert "| target | 128 | 8 x 5 |" in out
 
 
+def test_the_summary_counts_the_requests_meeting_an_slo(trace, capsys):
+    assert serve_summary.main(["--trace", str(trace), "--slo", "ttft=1000,itl=1000"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| c=1 | ar |")]
+    assert rows and rows[0].endswith("(6 of 6) |")
+    assert serve_summary.main(["--trace", str(trace), "--slo", "ttft=1e-9"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| rate=40 | rakv |")]
+    assert rows and rows[0].endswith("| 0.000 (0 of 6) |")
+    assert serve_summary.main(["--trace", str(trace), "--slo", "ttft=soon"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --slo: ttft: 'soon' is not a number of seconds"
+
+
 def test_the_summary_of_a_trace_without_serving_is_one_line(tmp_path, capsys):
     assert serve_summary.main(["--trace", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
