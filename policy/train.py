@@ -33,12 +33,15 @@ from pathlib import Path
 import numpy as np
 
 from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, share, subset
+from policy.load_sweep import LoadSweep, SweepConfig
 from policy.round_data import (DrafterRows, collect, draft_acceptance, first_target, further_target, split_families,
                                token_prior)
+from profiler.arrivals import parse_loads
 from profiler.schema import SCHEMA_VERSION, TraceError
+from profiler.serve_summary import parse_slo
 from rakv.cli import run_cli
 from rakv.controller import ControllerConfig
-from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, PolicyFile, head_file,
+from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, LearnedPolicy, PolicyFile, head_file,
                           token_priors_to_json)
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
 from rakv.settings import Settings, settings_to_json
@@ -63,7 +66,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the trees and the sampler (default: 0)")
     p.add_argument("--worker", type=int, default=0, help="this worker's number: its sampler seed is seed + worker")
     p.add_argument("--no-export", action="store_true", help="tune only (a worker beside another that exports)")
+    load = p.add_argument_group("under load (serving traces: profiler.record --grid serving --serve-rate)")
+    load.add_argument("--serve-trace", type=Path, nargs="+", default=[], metavar="TRACE",
+                      help="also score each trial by the goodput it serves over a rate sweep of these serving "
+                           "traces (policy.load_sweep), beside the traces' tokens per second")
+    load.add_argument("--arrival-rate", default=None, metavar="R[,R...]",
+                      help="the sweep's Poisson rates, requests per second (needed with --serve-trace)")
+    load.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
+                      help="the goodput's bounds in seconds, any subset (needed with --serve-trace)")
+    load.add_argument("--serve-requests", type=int, default=200, metavar="N",
+                      help="requests per rate, resampled with their prefix families (default: 200)")
     return p.parse_args(argv)
+
+
+def load_sweeps(args: argparse.Namespace, pair: str | None) -> list[LoadSweep]:
+    """``--serve-trace``'s sweeps, checked: the rates and SLO given, the traces of ``pair``."""
+    if not args.serve_trace:
+        return []
+    if args.arrival_rate is None or args.slo is None:
+        raise ValueError("--serve-trace needs --arrival-rate and --slo: the sweep whose goodput scores a trial")
+    if args.serve_requests < 1:
+        raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
+    try:
+        slo = parse_slo(args.slo)
+    except ValueError as exc:
+        raise ValueError(f"--slo: {exc}") from None
+    config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, args.seed)
+    sweeps = [LoadSweep(path, config) for path in args.serve_trace]
+    for sweep in sweeps:
+        if sweep.trace.meta.models.get("pair") != pair:
+            raise ValueError(f"{sweep.trace.path}: a serving trace of {sweep.trace.meta.models.get('pair')}, "
+                             f"not of {pair}, the pair the policy is trained for")
+        if sweep.goodput_per_s("rakv") <= 0:
+            raise ValueError(f"{sweep.trace.path}: rakv meets the SLO ({slo.describe()}) at none of the rates, so the "
+                             f"sweep cannot score a trial: give lower --arrival-rate or a looser --slo")
+    return sweeps
 
 
 class Data:
@@ -160,7 +197,7 @@ def controller_config(min_gain: float, draft_confidence: float) -> ControllerCon
                                         draft_confidence=round(draft_confidence, 6)))
 
 
-def objective(data: Data):
+def objective(data: Data, sweeps: list[LoadSweep]):
     import optuna
     validation = data.families("validation")
     baseline = {}  # per trace: rakv's tokens per second of service on the validation families
@@ -182,8 +219,19 @@ def objective(data: Data):
             trial.report(score(ratios), step)
             if trial.should_prune():
                 raise optuna.TrialPruned()
+        for step, sweep in enumerate(sweeps, start=len(data.sources)):
+            ratios.append(sweep_ratio(sweep, policy_file))
+            trial.report(score(ratios), step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
         return score(ratios) if ratios else 1.0
     return run
+
+
+def sweep_ratio(sweep: LoadSweep, policy_file: PolicyFile) -> float:
+    """The goodput the learned planner serves over the sweep, over ``rakv``'s (``load_sweeps``
+    checked it is not 0)."""
+    return sweep.goodput_per_s(lambda: LearnedPolicy(policy_file, sweep.inputs.timings)) / sweep.goodput_per_s("rakv")
 
 
 LOSS_WEIGHT = 2.0  # a trace where the learned planner loses to rakv costs this much more than a gain earns
@@ -226,7 +274,7 @@ def finished(study) -> int:
     return sum(t.state.name in FINISHED for t in study.get_trials(deepcopy=False))
 
 
-def tune(data: Data, storage: str, name: str, trials: int, seed: int):
+def tune(data: Data, sweeps: list[LoadSweep], storage: str, name: str, trials: int, seed: int):
     """Run trials until the study holds ``trials`` finished ones, whoever ran them. A
     trial is numbered by the storage when it is asked for; one preceded by ``trials``
     finished or running trials is not run (it is told failed, and the worker stops), so
@@ -236,7 +284,7 @@ def tune(data: Data, storage: str, name: str, trials: int, seed: int):
     study = open_study(storage, name, seed)
     bar = tqdm(total=trials, initial=min(finished(study), trials), desc="trials", unit="trial", file=sys.stderr,
                leave=False)
-    run_trial = objective(data)
+    run_trial = objective(data, sweeps)
     while True:
         trial = study.ask()
         ahead = sum(t.number < trial.number and (t.state.name in FINISHED or t.state.name == "RUNNING")
@@ -272,9 +320,9 @@ def save_policy(path: Path, boosters: dict[str, tuple], sidecar: dict) -> None:
             stale.unlink()
 
 
-def export(data: Data, study, out: Path) -> dict:
+def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
     """Refit the best trial on train and validation (both passes), measure it on the test
-    families, write the policy."""
+    families and the sweeps (which tuned it: not held out), write the policy."""
     best = study.best_trial
     params = {k: best.params[k] for k in ("num_leaves", "learning_rate", "min_data_in_leaf", "lambda_l2")}
     controller = controller_config(best.params["min_gain"], best.params["draft_confidence"])
@@ -287,8 +335,14 @@ def export(data: Data, study, out: Path) -> dict:
     test = data.families("test")
     evaluations = [asdict(evaluate_trace(policy_file, trace, timing, test)) for trace, timing, _ in data.sources
                    if subset(trace, test).requests]
+    under_load = [{"trace": sweep.trace.path.name, "rates_per_s": list(sweep.config.rates_per_s),
+                   "slo": sweep.config.slo.describe(), "num_requests": sweep.config.num_requests,
+                   "goodput_per_s": {"learned": sweep.goodput_per_s(lambda: LearnedPolicy(policy_file,
+                                                                                         sweep.inputs.timings)),
+                                     **{name: sweep.goodput_per_s(name) for name in ("rakv", "kv-only")}}}
+                  for sweep in sweeps]
     report = {"best_trial": best.number, "validation_vs_rakv": best.value, "params": best.params, "test": evaluations,
-              "num_rows": {d: int(len(r.run)) for d, r in both.items()}}
+              "under_load": under_load, "num_rows": {d: int(len(r.run)) for d, r in both.items()}}
     traces = [trace for trace, _, _ in data.sources]
     save_policy(out, boosters, {
         "token_priors": token_priors_to_json({d: priors[d] for d in boosters}), "draft_prior": data.draft_prior, "schema_version": SCHEMA_VERSION,
@@ -305,19 +359,25 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
     start = time.perf_counter()
     data = Data(args.trace, args.timing, args.seed)
+    sweeps = load_sweeps(args, data.sources[0][0].meta.models.get("pair"))
     storage = args.storage or f"sqlite:///{args.out.parent.resolve() / (args.out.name + '.optuna.db')}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    study = tune(data, storage, args.study or args.out.name, args.trials, args.seed + args.worker)
+    study = tune(data, sweeps, storage, args.study or args.out.name, args.trials, args.seed + args.worker)
     print(f"study {study.study_name}: {finished(study)} trials; best validation tokens/s {study.best_value:.3f}x "
           f"rakv's (trial {study.best_trial.number})", file=sys.stderr)
     if not args.no_export:
-        report = export(data, study, args.out)
+        report = export(data, sweeps, study, args.out)
         for e in report["test"]:
             rates = e["tokens_per_s"]
             print(f"wrote {args.out}: {e['trace']} test families ({e['num_requests']} requests): learned "
                   f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}, "
                   f"causal bound {e['causal']['tokens_per_s']:.2f}; headroom captured "
                   f"{share(e['headroom_captured'])} (causal: {share(e['causal_headroom_captured'])})", file=sys.stderr)
+        for e in report["under_load"]:
+            goodput = e["goodput_per_s"]
+            print(f"{e['trace']} at {', '.join(f'{r:g}' for r in e['rates_per_s'])} req/s ({e['slo']}; tuned on it): "
+                  f"goodput summed, learned {goodput['learned']:.3f} req/s, rakv {goodput['rakv']:.3f}, kv-only "
+                  f"{goodput['kv-only']:.3f}", file=sys.stderr)
         print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 

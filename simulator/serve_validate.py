@@ -40,6 +40,7 @@ from profiler.serve_record import Load
 from profiler.serve_summary import LoadLatencies, Percentiles, load_latencies, served_times
 from profiler.trace_io import read_table
 from rakv.cli import run_cli
+from rakv.controller import Policy
 from rakv.scheduler import BatchConfig, Composition
 from rakv.settings import DecisionInputs
 from simulator.batch_replay import BatchReplay, ReplayedStep
@@ -168,9 +169,11 @@ class ServingReplay:
             else [arrival.request for arrival in schedule(trace, num_requests, None, self.seed)])
         self.strict = strict
 
-    def fresh(self, policy_name: str) -> BatchReplay:
-        """An empty replay under the named policy."""
-        policy = trace_policy(policy_name, self.trace, self.inputs, self.strict)
+    def fresh(self, policy: str | Policy) -> BatchReplay:
+        """An empty replay under ``policy``, or the policy of that name (a fresh one: a
+        ``Policy`` given is carried on as it is, so give each replay its own)."""
+        if isinstance(policy, str):
+            policy = trace_policy(policy, self.trace, self.inputs, self.strict)
         return BatchReplay(policy, self.inputs, self.batch, self.trace.target_namespace, self.trace.draft_namespace)
 
     def replay(self, load: str, policy_name: str, costs: StepCosts | None) -> LoadRun:
@@ -179,10 +182,11 @@ class ServingReplay:
         return self.run(Load(concurrency=int(value)) if kind == "c" else Load(rate_per_s=float(value)),
                         policy_name, costs)
 
-    def run(self, load: Load, policy_name: str, costs: StepCosts | None) -> LoadRun:
-        """The requests under ``load`` and the named policy: a closed loop, or an open one at
-        the seed's Poisson arrivals (``profiler.arrivals``, as the recorder drew them)."""
-        replay = self.fresh(policy_name)
+    def run(self, load: Load, policy: str | Policy, costs: StepCosts | None) -> LoadRun:
+        """The requests under ``load`` and ``policy`` (``fresh``'s): a closed loop, or an
+        open one at the seed's Poisson arrivals (``profiler.arrivals``, as the recorder drew
+        them)."""
+        replay = self.fresh(policy)
         if load.concurrency is not None:
             return run_load(replay, self.requests, self.max_new, costs, concurrency=load.concurrency)
         arrivals = arrivals_s(len(self.requests), load.rate_per_s, self.seed)

@@ -104,6 +104,50 @@ def test_tuning_resumes_from_its_storage(trace, tmp_path):
     assert len(done) == 4 and (out / "policy.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    out = tmp_path_factory.mktemp("policy") / "tiny-serve"
+    assert record(["--workload", "chat", "--max-new-tokens", "10", "--grid", "serving", "--skip", "runs",
+                   "--serve-requests", "6", "--serve-rate", "40", "--serve-policies", "rakv", "--out", str(out)]) == 0
+    return out
+
+
+def test_tuning_under_load_scores_a_rate_sweep(trace, serving, tmp_path, capsys):
+    """With --serve-trace, each trial is also scored by the goodput it serves over a rate
+    sweep, replayed as simulator.replay replays it; the export reports the sweep."""
+    from policy.load_sweep import LoadSweep, SweepConfig
+    from profiler.serve_summary import parse_slo
+    sweep = LoadSweep(serving, SweepConfig((20.0, 40.0), parse_slo("ttft=0.5"), num_requests=12))
+    assert replay_main(["--trace", str(serving), "--policy", "rakv", "--arrival-rate", "20,40", "--slo", "ttft=0.5",
+                        "--requests", "12", "--seed", "0", "--json"]) == 0
+    replayed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sweep.goodput_per_s("rakv") == pytest.approx(sum(r["goodput_per_s"] for r in replayed))
+    out = tmp_path / "p"
+    assert train_main(["--trace", str(trace), "--out", str(out), "--trials", "2", "--serve-trace", str(serving),
+                       "--arrival-rate", "20,40", "--slo", "ttft=0.5", "--serve-requests", "12"]) == 0
+    assert "tiny-serve at 20, 40 req/s (ttft<=0.5s; tuned on it): goodput summed, learned" in capsys.readouterr().err
+    (under_load,) = json.loads((out / "policy.json").read_text())["metrics"]["under_load"]
+    assert under_load["trace"] == "tiny-serve" and under_load["num_requests"] == 12
+    assert under_load["goodput_per_s"]["rakv"] == pytest.approx(sweep.goodput_per_s("rakv"))
+    assert set(under_load["goodput_per_s"]) == {"learned", "rakv", "kv-only"}
+
+
+def test_tuning_under_load_needs_its_rates_and_slo(trace, serving, tmp_path, capsys):
+    argv = ["--trace", str(trace), "--out", str(tmp_path / "p"), "--trials", "1", "--serve-trace", str(serving)]
+    assert train_main(argv + ["--slo", "ttft=1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --serve-trace needs --arrival-rate and --slo: the sweep whose "
+                                               "goodput scores a trial")
+    assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --slo: ttft: 'x' is not a number of seconds"
+    assert train_main(argv + ["--arrival-rate", "1", "--slo", "e2e=1e-9"]) == 2
+    assert capsys.readouterr().err.strip().endswith("rakv meets the SLO (e2e<=1e-09s) at none of the rates, so the "
+                                                    "sweep cannot score a trial: give lower --arrival-rate or a looser "
+                                                    "--slo")
+    assert train_main(argv[:-1] + [str(trace), "--arrival-rate", "1", "--slo", "ttft=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "not a serving trace" in err and "\n" not in err
+
+
 def test_an_unreachable_storage_is_one_line(trace, tmp_path, capsys):
     bad = f"postgresql+psycopg://postgres@/optuna?host={tmp_path / 'nosocket'}&port=1"
     assert train_main(["--trace", str(trace), "--out", str(tmp_path / "p"), "--trials", "1", "--storage", bad]) == 2
