@@ -131,7 +131,7 @@ class StepCosts:
     overhead: StepOverhead = StepOverhead(0.0, 0.0)
 
     def forward_s(self, composition) -> float:
-        # a prefill chunk computes one logits row at most (the prompt's last chunk's)
+        # a prefill chunk counts one logits row: the prompt's last computes one, the others none
         num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
         return self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
 
