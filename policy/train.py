@@ -38,7 +38,7 @@ from policy.round_data import (DrafterRows, collect, draft_acceptance, first_tar
                                token_prior)
 from profiler.arrivals import parse_loads
 from profiler.schema import SCHEMA_VERSION, TraceError
-from profiler.serve_summary import parse_slo
+from profiler.serve_summary import slo_option
 from rakv.cli import run_cli
 from rakv.controller import ControllerConfig
 from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, LearnedPolicy, PolicyFile, head_file,
@@ -87,10 +87,7 @@ def load_sweeps(args: argparse.Namespace, pair: str | None) -> list[LoadSweep]:
         raise ValueError("--serve-trace needs --arrival-rate and --slo: the sweep whose goodput scores a trial")
     if args.serve_requests < 1:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
-    try:
-        slo = parse_slo(args.slo)
-    except ValueError as exc:
-        raise ValueError(f"--slo: {exc}") from None
+    slo = slo_option(args.slo)
     config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, args.seed)
     sweeps = [LoadSweep(path, config) for path in args.serve_trace]
     for sweep in sweeps:
@@ -228,10 +225,15 @@ def objective(data: Data, sweeps: list[LoadSweep]):
     return run
 
 
+def learned_goodput_per_s(sweep: LoadSweep, policy_file: PolicyFile) -> float:
+    """The goodput ``policy_file``'s learned planner serves over the sweep."""
+    return sweep.goodput_per_s(lambda: LearnedPolicy(policy_file, sweep.inputs.timings))
+
+
 def sweep_ratio(sweep: LoadSweep, policy_file: PolicyFile) -> float:
-    """The goodput the learned planner serves over the sweep, over ``rakv``'s (``load_sweeps``
+    """The learned planner's goodput over the sweep, over ``rakv``'s (``load_sweeps``
     checked it is not 0)."""
-    return sweep.goodput_per_s(lambda: LearnedPolicy(policy_file, sweep.inputs.timings)) / sweep.goodput_per_s("rakv")
+    return learned_goodput_per_s(sweep, policy_file) / sweep.goodput_per_s("rakv")
 
 
 LOSS_WEIGHT = 2.0  # a trace where the learned planner loses to rakv costs this much more than a gain earns
@@ -337,8 +339,7 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
                    if subset(trace, test).requests]
     under_load = [{"trace": sweep.trace.path.name, "rates_per_s": list(sweep.config.rates_per_s),
                    "slo": sweep.config.slo.describe(), "num_requests": sweep.config.num_requests,
-                   "goodput_per_s": {"learned": sweep.goodput_per_s(lambda: LearnedPolicy(policy_file,
-                                                                                         sweep.inputs.timings)),
+                   "goodput_per_s": {"learned": learned_goodput_per_s(sweep, policy_file),
                                      **{name: sweep.goodput_per_s(name) for name in ("rakv", "kv-only")}}}
                   for sweep in sweeps]
     report = {"best_trial": best.number, "validation_vs_rakv": best.value, "params": best.params, "test": evaluations,

@@ -77,6 +77,17 @@ class Slo:
         return all(bound is None or value is None or value <= bound for bound, value in checks)
 
 
+def slo_option(text: str | None) -> Slo | None:
+    """``--slo``'s value (None: not given) as ``parse_slo`` reads it; a one-line ValueError
+    naming the option otherwise."""
+    if text is None:
+        return None
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise ValueError(f"--slo: {exc}") from None
+
+
 def parse_slo(text: str) -> Slo:
     """``ttft=0.5,itl=0.1,e2e=4`` (seconds, any subset) as an ``Slo``; a one-line ValueError
     naming the bad part otherwise."""
@@ -118,6 +129,16 @@ def num_meeting_slo(times: list[tuple[float, float, float, int]], slo: Slo) -> i
     """How many requests ((arrival, first token, finish, output tokens) each) met every
     bound ``slo`` states: goodput's numerator."""
     return sum(slo.met(t - a, mean_itl_s(t, f, n), f - a) for a, t, f, n in times)
+
+
+def goodput(times: list[tuple[float, float, float, int]], slo: Slo | None,
+            span_s: float) -> tuple[int | None, float | None]:
+    """(the requests meeting every bound ``slo`` states, their number per second of
+    ``span_s``); (None, None) where no SLO is stated."""
+    if slo is None or not slo.stated:
+        return None, None
+    num = num_meeting_slo(times, slo)
+    return num, num / span_s if span_s > 0 else 0.0
 
 
 def load_latencies(times: list[tuple[float, float, float, int]]) -> LoadLatencies:
@@ -172,14 +193,13 @@ def summarize_loads(served: list[ServedRow], steps: list[StepRow], slo: Slo | No
     for (load, policy), rows in sorted(requests.items(), key=lambda kv: (_load_order(kv[0][0]), kv[0][1])):
         times = served_times(rows)
         measured = load_latencies(times)
-        num_meeting = num_meeting_slo(times, slo) if slo is not None and slo.stated else None
         its_steps = ran[load, policy]
         num_steps = max(len(its_steps), 1)
         summaries.append(LoadSummary(
             load, policy, measured.output_tok_per_s, measured.ttft.p50_s, measured.e2e.p50_s, len(its_steps),
             sum(len(s.request_ids) for s in its_steps) / num_steps, sum(sum(s.rows) for s in its_steps) / num_steps,
-            sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows), num_meeting,
-            None if num_meeting is None else num_meeting / measured.span_s if measured.span_s > 0 else 0.0))
+            sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows),
+            *goodput(times, slo, measured.span_s)))
     return summaries
 
 
@@ -193,10 +213,7 @@ def batched_medians_s(ops) -> dict[tuple[str, int, int, int], float]:
 
 
 def run(args) -> int:
-    try:
-        slo = parse_slo(args.slo) if args.slo is not None else None
-    except ValueError as exc:
-        raise ValueError(f"--slo: {exc}") from None
+    slo = slo_option(args.slo)
     trace = args.trace
     meta = read_meta(trace)
     served = table_to_rows("served", read_table(trace, "served"))
@@ -210,10 +227,10 @@ def run(args) -> int:
           "| equal to greedy | preemptions |" + (f" goodput (req/s, {slo.describe()}) |" if with_slo else ""))
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_slo else ""))
     for s in summarize_loads(served, steps, slo):
-        goodput = f" {s.goodput_per_s:.3f} ({s.num_meeting_slo} of {s.num_requests}) |" if with_slo else ""
+        goodput_text = f" {s.goodput_per_s:.3f} ({s.num_meeting_slo} of {s.num_requests}) |" if with_slo else ""
         print(f"| {s.load} | {s.policy} | {s.output_tok_per_s:.2f} | {s.ttft_p50_s * 1e3:.0f} | {s.e2e_p50_s:.2f} | "
               f"{s.num_steps} | {s.mean_requests_per_step:.2f} | {s.mean_rows_per_step:.1f} | "
-              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} |{goodput}")
+              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} |{goodput_text}")
     medians = batched_medians_s(table_to_rows("ops", read_table(trace, "ops")))
     if medians:
         print("\n| model | context | requests x rows | ms | in one-row steps |")

@@ -41,7 +41,7 @@ from typing import Iterable
 from profiler.arrivals import parse_loads
 from profiler.schema import TraceError
 from profiler.serve_record import Load, loads_of
-from profiler.serve_summary import Percentiles, Slo, load_latencies, num_meeting_slo, parse_slo
+from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, slo_option
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
@@ -118,11 +118,11 @@ def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> Loa
     stats = load_latencies(times)
     speculation = speculation_by_batch(run.steps)
     num_rounds = sum(at.num_rounds for at in speculation)
-    good = num_meeting_slo(times, slo) if slo is not None and slo.stated else None
+    good, good_per_s = goodput(times, slo, stats.span_s)
     return LoadResult(
         load, policy, len(times), len(run.steps), stats.span_s, stats.num_output_tokens, stats.output_tok_per_s,
         stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
-        None if good is None else (good / stats.span_s if stats.span_s > 0 else 0.0),
+        good_per_s,
         sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation)
 
 
@@ -178,12 +178,12 @@ def markdown(results: list[LoadResult], title: str) -> str:
              + ("| goodput (req/s) " if with_slo else "") + "| share speculating | by batch size |",
              "|---|---|---|---|---|---" + ("|---" if with_slo else "") + "|---|---|"]
     for r in results:
-        goodput = (f"| {r.goodput_per_s:.3f} ({r.num_meeting_slo} of {r.num_requests}) " if with_slo else "")
+        goodput_text = (f"| {r.goodput_per_s:.3f} ({r.num_meeting_slo} of {r.num_requests}) " if with_slo else "")
         by_batch = " ".join(f"{at.batch_size}:{at.share:.2f}" for at in r.speculation) or "-"
         lines.append(f"| {r.load} | {r.policy}{' *' if r.best_fixed else ''} "
                      f"| {r.ttft.p50_s:.3f} / {r.ttft.p90_s:.3f} / {r.ttft.p99_s:.3f} "
                      f"| {r.itl.p50_s:.4f} / {r.itl.p90_s:.4f} | {r.e2e.p50_s:.2f} / {r.e2e.p99_s:.2f} "
-                     f"| {r.output_tok_per_s:.2f} {goodput}| {r.share_speculating:.2f} | {by_batch} |")
+                     f"| {r.output_tok_per_s:.2f} {goodput_text}| {r.share_speculating:.2f} | {by_batch} |")
     lines.append("")
     if any(r.best_fixed for r in results):
         slo = next(r.slo for r in results if r.slo is not None) if with_slo else None
@@ -196,10 +196,7 @@ def markdown(results: list[LoadResult], title: str) -> str:
 def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], title: str) -> int:
     """``simulator.replay``'s batched mode: ``names`` (checked, no oracle) at the loads
     ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
-    try:
-        slo = parse_slo(args.slo) if args.slo is not None else None
-    except ValueError as exc:
-        raise ValueError(f"--slo: {exc}") from None
+    slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
                             args.max_num_batched_tokens)
