@@ -53,7 +53,7 @@ from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load
 from rakv.cli import add_precision_arguments, run_cli
 from rakv.choices import ADAPTIVE_NAME, fixed_policy_names
 from rakv.controller import ControllerConfig
-from rakv.scheduler import BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, BatchConfig
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
 from rakv.policies import check_policy
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
@@ -112,6 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help=f"requests running at once at most (default: {BatchConfig.max_num_seqs})")
     serve.add_argument("--max-num-batched-tokens", type=int, default=BatchConfig.max_num_batched_tokens,
                        help=f"rows of one step at most (default: {BatchConfig.max_num_batched_tokens})")
+    serve.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
     p.add_argument("--timing-trace", metavar="NAME", default=None,
                    help="with --skip ops runs: the trace beside this one (in the same directory) that holds "
                         "its timing, ops and runs of the same pair on this machine; a replay then needs "
@@ -412,7 +413,9 @@ def run(args) -> int:
             raise ValueError(f"--serve-policies: {exc}") from None
     if args.serve_requests < 1:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
-    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens)
+    if args.itl_target is not None and args.itl_target <= 0:
+        raise ValueError(f"--itl-target must be positive, got {args.itl_target:g}")
+    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, itl_target_s=args.itl_target)
     pair, workload = load(args)
     run_policies(pair, args)  # a bad --runs-policies fails before any recording
     inputs = decision_inputs(pair, args)

@@ -117,7 +117,7 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
     def engine_for(name: str) -> BatchEngine:
         policy = resolve_policy(name, inputs.timings, inputs.controller, pair.target_fingerprint,
                                 pair.draft_fingerprint, pair.name)
-        return BatchEngine(pair, policy, inputs.engine, batch)
+        return BatchEngine(pair, policy, inputs.engine, batch, timings=inputs.timings)
     todo = [(load, name) for load in loads for name in policies if (load.label, name) not in done]
     if todo:  # warm-up, untimed: the first steps of a process pay for lazy setup
         engine_for(policies[0]).run([(list(r.prompt_ids), min(r.max_new_tokens, 8)) for r in requests[:2]])

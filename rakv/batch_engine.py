@@ -32,8 +32,10 @@ from rakv.kv_cache import GrowingCache
 from rakv.kv_store import KVStore, measure_sizes
 from rakv.models import ModelPair
 from rakv.rounds import draft_cache_after, draft_cache_positions
+from rakv.cost_model import PairTimings
 from rakv.scheduler import PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
 from rakv.settings import EngineConfig
+from rakv.step_load import pricer
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,14 @@ class BatchEngine(Engine):
     batch-1 engine's) stays available."""
 
     def __init__(self, pair: ModelPair, policy: Policy, config: EngineConfig = EngineConfig(),
-                 batch: BatchConfig = BatchConfig(), store: KVStore | None = None):
+                 batch: BatchConfig = BatchConfig(), store: KVStore | None = None,
+                 timings: PairTimings | None = None):
+        """``timings``: the calibration that prices steps for ``batch.itl_target_s``'s pace
+        (``rakv.scheduler``); None: no pace is kept."""
         super().__init__(pair, policy, config, store)
         self.batch = batch
         self.scheduler = Scheduler(batch, self._admit, self._preempted, lambda: self.store.total_bytes,
-                                   self.store.index.evict_lru)
+                                   self.store.index.evict_lru, pricer(timings))
         self._requests: dict[int, _Request] = {}
         self._events: list[TokenEvent] = []
         self._target_bytes = measure_sizes(pair.target).kv_bytes_per_token

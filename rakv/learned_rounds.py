@@ -43,7 +43,7 @@ import numpy as np
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths
 from rakv.suffix_drafter import SUFFIX
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
-from rakv.step_load import StepLoad
+from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
 
 ROUND_FEATURES = ("signal", "proposed", "extent", "position", "tokens_left", "estimate", "trials", "drafter_rate",
@@ -163,11 +163,12 @@ class LearnedRounds(AdaptiveRounds):
         if self.model is None:
             return super().plan(signals, t, load)
         offset, best_rate, costs_s = self._prices(load)
+        bounds_s = load.pace_bounds_s if load is not None else ()
         best = self._plain
         for drafter in self.drafters:
-            top = self.longest_round(drafter, t)
+            top = longest_within(costs_s[drafter], self.longest_round(drafter, t), bounds_s)
             if not top:
-                continue  # nothing to propose
+                continue  # nothing to propose, or even its shortest round would make the step too slow
             if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
                 a = self.estimate(drafter, signals[drafter])
                 if a <= 0.0:

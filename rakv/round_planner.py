@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 from rakv.cost_model import PairTimings, progress_by_k, round_s
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths, ngram_prior
 from rakv.suffix_drafter import SUFFIX, suffix_prior
-from rakv.step_load import StepLoad, load_prices
+from rakv.step_load import StepLoad, load_prices, longest_within
 
 MAX_DRAFT_LENGTH = 16  # the longest round a planner drafts (a fixed policy's k is one of K_CHOICES)
 
@@ -121,7 +121,8 @@ class RoundCosts:
         """(the others' tokens, the rate a round must beat, each drafter's round seconds)
         of ``drafters``' rounds in a step under ``load`` (``rakv.step_load.load_prices`` at
         this context), computed once per argument set."""
-        key = (load, drafters, max_k, min_gain)
+        # the pace bounds do not change the prices; a key with them would rarely meet again
+        key = (load.num_others, load.num_other_rows, load.draft_depths, drafters, max_k, min_gain)
         priced = self.load_memo.get(key)
         if priced is None:
             if len(self.load_memo) >= self.MAX_LOADS:
@@ -331,8 +332,12 @@ class AdaptiveRounds:
             progress, costs = self._priced(drafter, signals[drafter])
             return drafter, max(range(1, self._max_k + 1), key=lambda k: progress[k] / costs[k])
         offset, best_rate, costs_s = self._prices(load)
+        bounds_s = load.pace_bounds_s if load is not None else ()
         best = self._plain
         for drafter in self.drafters:
+            top = longest_within(costs_s[drafter], self._max_k, bounds_s)
+            if not top:
+                continue  # even its shortest round would make the step too slow
             signal = signals[drafter]
             a = self.acceptance.get((drafter, signal))
             if a is None:  # kept: the same value ``estimate`` would give on every later call
@@ -344,7 +349,7 @@ class AdaptiveRounds:
                 continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
             progress, costs = self._priced(drafter, signal, a, costs_s[drafter])
             beat = best_rate * (1 + 1e-9)
-            for k in range(1, self._max_k + 1):
+            for k in range(1, top + 1):
                 rate = (offset + progress[k]) / costs[k]
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)

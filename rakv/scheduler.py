@@ -26,6 +26,18 @@ Invariants:
   least recently used store entries go first, then running requests are preempted,
   newest first. A request is never lost or duplicated: it is in exactly one of
   ``waiting``, ``running`` or finished (``finish``) or dropped (``remove``).
+- Pace (with ``itl_target_s``). From its first token, each request holds a slack: the
+  target's seconds for every token it has made, less every step it was running through,
+  as the planners price steps (``price_s``). Each other decoding request on pace (slack
+  >= 0) bounds a round's step to the target plus its slack
+  (``StepLoad.pace_bounds_s``); the planner keeps its round within the tightest bound
+  that a plain step would keep (``step_load.longest_within``), so no request that could
+  stay on pace falls behind it for another's round, and a request may spend its own
+  slack. A request already behind, or one that a plain step already puts behind, does
+  not bound it: where plain steps cannot keep the pace (the load is past what they serve
+  at the target), tokens per second is what brings requests back, and rounds are priced
+  by it alone. The clock is the price, not the wall, so a replay makes the engine's
+  choices exactly.
 """
 from __future__ import annotations
 
@@ -34,9 +46,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rakv.drafters import DRAFT_MODEL
-from rakv.step_load import StepLoad
+from rakv.step_load import StepLoad, deepen
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
+                   "longer than another running request's pace allows (steps as the calibration prices them)")
 
 
 @dataclass(frozen=True)
@@ -44,11 +58,17 @@ class BatchConfig:
     max_num_seqs: int = 8  # running requests at most
     max_num_batched_tokens: int = 256  # rows of one step at most
     memory_budget_bytes: int = 2 * 2**30  # running requests' KV and the prefix store together
+    # The inter-token latency to keep decoding requests to: a round may not make its step
+    # longer than another decoding request's pace allows (``Scheduler``'s "Pace"). None:
+    # rounds are priced by tokens per second alone.
+    itl_target_s: float | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "memory_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise ValueError(f"itl_target_s must be above 0, got {self.itl_target_s}")
 
 
 @dataclass(eq=False)
@@ -66,6 +86,7 @@ class Seq:
     moves: object = None
     num_preemptions: int = 0
     admitted: bool = False  # admitted once (its store lookup and decision are made)
+    slack_s: float = 0.0  # from its first token: seconds ahead of the ITL target, steps as priced (see "Pace")
 
     @property
     def t(self) -> int:
@@ -122,6 +143,9 @@ class Scheduler:
     preempted: Callable[[Seq], None]
     store_bytes: Callable[[], int]
     evict_store: Callable[[], bool]
+    # a step's seconds as the planners price its works (``rakv.step_load.step_price_s``): the
+    # pace's clock, the same live and in a replay; None: no pace is kept
+    price_s: Callable[[list[Work]], float] | None = None
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     num_preemptions: int = 0
@@ -130,6 +154,7 @@ class Scheduler:
     # admitted and preempted, so that a step's memory checks cost O(1) each
     _held: dict = field(default_factory=dict)
     _held_bytes: int = 0
+    _last_step: tuple | None = None  # (its price, (seq, t) of each running request with output before it)
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -151,6 +176,7 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         """The works of the next step (empty when nothing can run)."""
         budget = self.config.max_num_batched_tokens
+        self._pace_last_step()
         self._held, self._held_bytes = {}, 0
         for seq in self.running:
             self._reserve(seq, seq.num_computed)
@@ -158,6 +184,7 @@ class Scheduler:
         decoding = [seq for seq in self.running if not seq.prefilling]  # a prefill waits for the second pass
         num_alive = len(decoding)  # those not preempted: a prefix of them (preemption takes the newest)
         planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
+        paces = self._paces(decoding)
         for i, seq in enumerate(decoding):
             if i >= num_alive or budget == 0:
                 break
@@ -167,13 +194,14 @@ class Scheduler:
             if rows == 0:
                 break  # it preempted itself, and every one after it before
             unplanned = num_alive - i - 1
-            load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths))
+            load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths),
+                            _bounds_beside(seq, paces) if paces else ())
             drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
             budget -= k + 1
             planned_rows += k + 1
-            if drafter == DRAFT_MODEL and k:
-                depths[:k] = [n + 1 for n in depths[:k]] + [1] * (k - len(depths))
+            if drafter == DRAFT_MODEL:
+                deepen(depths, k)
         for seq in self.running:
             if seq.prefilling and budget > 0:
                 work = self._chunk(seq, budget)
@@ -195,7 +223,28 @@ class Scheduler:
             if work is not None:
                 works.append(work)
                 budget -= work.rows
+        if self.price_s is not None and self.config.itl_target_s is not None:
+            self._last_step = (self.price_s(works), [(seq, seq.t) for seq in self.running if seq.t > 0])
         return works
+
+    # -- pace --------------------------------------------------------------------
+    def _pace_last_step(self) -> None:
+        """Each request that had its first token before the last step: the ITL target's
+        seconds for the tokens the step made it, less the step's price."""
+        if self._last_step is not None:
+            price_s, before = self._last_step
+            itl_s = self.config.itl_target_s
+            for seq, t in before:
+                seq.slack_s += itl_s * (seq.t - t) - price_s
+            self._last_step = None
+
+    def _paces(self, decoding: list[Seq]) -> list[tuple[float, Seq]]:
+        """(the longest step it keeps pace through, seq) of each decoding request on pace,
+        tightest first; none without an ITL target or a price."""
+        if self.price_s is None or self.config.itl_target_s is None:
+            return []
+        itl_s = self.config.itl_target_s
+        return sorted(((itl_s + seq.slack_s, seq) for seq in decoding if seq.slack_s >= 0), key=_first)
 
     def _planned(self, work: Work) -> Work:
         if work.seq in self._held:  # a waiting request's rows count from its admission
@@ -252,3 +301,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.preempted(seq)
         self.waiting.appendleft(seq)
+
+
+def _first(pair: tuple) -> float:
+    return pair[0]
+
+
+def _bounds_beside(seq: Seq, paces: list[tuple[float, Seq]]) -> tuple[float, ...]:
+    """The other requests' paces (``StepLoad.pace_bounds_s``), tightest first."""
+    return tuple(bound_s for bound_s, other in paces if other is not seq)

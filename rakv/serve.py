@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rakv.cli import add_pair_arguments, run_cli
 from rakv.engine import RequestError
 from rakv.models import PairError
-from rakv.scheduler import BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, BatchConfig
 from rakv.serve_api import (ApiError, ChatRequest, CompletionRequest, Decoding, OutputText, Shape, chat_prompt_ids,
                             check_request, prompt_ids, usage)
 from rakv.serve_loop import EngineFailure, EngineLoop, RequestStream
@@ -250,6 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory-budget-mib", type=float, default=defaults.memory_budget_bytes / 2**20,
                    help="running requests' KV plus the prefix store "
                         f"(default: {defaults.memory_budget_bytes / 2**20:g} MiB)")
+    p.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
     return p.parse_args(argv)
 
 
@@ -258,8 +259,8 @@ def check_args(args: argparse.Namespace) -> None:
     for option in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, option) < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
-    for option in ("memory_budget_mib", "store_budget_mib"):
-        if getattr(args, option) <= 0:
+    for option in ("memory_budget_mib", "store_budget_mib", "itl_target"):
+        if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise ValueError(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     from rakv.policies import check_policy
     check_policy(args.policy, args.pair)
@@ -282,8 +283,9 @@ def build_engine(args: argparse.Namespace):
     policy = resolve_policy(args.policy, timings, ControllerConfig(store_drafter=not args.no_store_drafter),
                             pair.target_fingerprint, pair.draft_fingerprint, args.pair, args.strict)
     config = EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store))
-    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, int(args.memory_budget_mib * 2**20))
-    return BatchEngine(pair, policy, config, batch)
+    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, int(args.memory_budget_mib * 2**20),
+                        args.itl_target)
+    return BatchEngine(pair, policy, config, batch, timings=timings)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,11 +23,18 @@ row it adds to that batched draft forward. T holds the other rounds' draft forwa
 far. Left out: prefill chunks (the scheduler plans them after the rounds, from the rows
 the rounds leave), the attention's growth with the extra rows, and the step's overheads.
 Every price is at the request's own context (``RoundCosts.num_context``).
+
+With an ITL target (``rakv.scheduler``'s "Pace") the step also carries the other
+requests' pace bounds, and a round keeps within the tightest that a plain step keeps
+(``longest_within``); the pace's clock is ``step_price_s``, the same prices over a whole
+step's works.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Sequence
 
 from rakv.cost_model import ModelTimings, PairTimings
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE
@@ -40,9 +47,53 @@ class StepLoad:
     num_others: int  # other requests decoding in the step: each makes at least one token
     num_other_rows: int  # their target rows: the rounds planned so far, one for each not yet planned
     draft_depths: tuple[int, ...] = ()  # [j]: other rounds planned so far whose draft model drafts a (j+1)-th token
+    # the longest step that keeps each other decoding request on the ITL target's pace,
+    # ascending (``rakv.scheduler``'s "Pace"; () without a target)
+    pace_bounds_s: tuple[float, ...] = ()
 
 
 ALONE = StepLoad(0, 0)
+
+
+def deepen(depths: list[int], k: int) -> None:
+    """``StepLoad.draft_depths`` once a draft-model round drafting k tokens joins them."""
+    depths[:k] = [n + 1 for n in depths[:k]] + [1] * (k - len(depths))
+
+
+def step_price_s(works, timings: PairTimings) -> float:
+    """A step's seconds as ``load_prices`` prices its parts: the target's step at the
+    longest context the step reaches, its rows over one, and the draft model's forwards
+    (the j-th over the rounds that draft a j-th token; each a step with its rows over
+    one). ``works``: ``rakv.scheduler.Work``s, their contexts before the step."""
+    target, draft = timings.target, timings.draft
+    num_rows = num_context = 0
+    depths: list[int] = []  # [j]: draft-model rounds drafting a (j+1)-th token
+    for work in works:
+        num_rows += work.rows
+        num_context = max(num_context, work.seq.num_computed + work.rows)
+        if work.drafter == DRAFT_MODEL:
+            deepen(depths, work.k)
+    price_s = target.step_s(num_context) + target.rows_extra_s(num_rows)
+    if depths and draft is not None:
+        price_s += sum(draft.step_s(num_context) + draft.rows_extra_s(n) for n in depths)
+    return price_s
+
+
+def pricer(timings: PairTimings | None):
+    """``step_price_s`` with ``timings``, as ``rakv.scheduler.Scheduler.price_s`` takes
+    it; None without timings."""
+    return None if timings is None else partial(step_price_s, timings=timings)
+
+
+def longest_within(costs_s: Sequence[float], top: int, bounds_s: tuple[float, ...]) -> int:
+    """The largest k <= ``top`` whose round, priced ``costs_s[k]`` (increasing in k; k = 0
+    a plain step), stays within the tightest of ``bounds_s`` (ascending) that a plain step
+    keeps: a request that falls behind its pace whatever this round does does not bound
+    it. ``top`` where no bound applies, 0 where even k = 1 exceeds it."""
+    for bound_s in bounds_s:
+        if bound_s >= costs_s[0]:
+            return bisect_right(costs_s, bound_s, 1, top + 1) - 1
+    return top
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from rakv.drafters import DRAFT_MODEL
 from rakv.rounds import draft_cache_after
 from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq, Work
 from rakv.settings import DecisionInputs
+from rakv.step_load import pricer
 from simulator.session import SessionError, output_length
 from simulator.trace import RecordedRequest
 
@@ -78,7 +79,7 @@ class BatchReplay:
         self.target_namespace, self.draft_namespace = target_namespace, draft_namespace
         self.store = StoreModel(inputs.engine.store)
         self.scheduler = Scheduler(batch, self._admit, self._preempted, lambda: self.store.total_bytes,
-                                   self.store.index.evict_lru)
+                                   self.store.index.evict_lru, pricer(inputs.timings))
         self._live: dict[int, _Live] = {}
         self._first_tokens: list[int] = []  # this step's, admissions' exact repeats included
         self._target_bytes = inputs.target_sizes.kv_bytes_per_token

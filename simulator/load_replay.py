@@ -199,7 +199,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
-                            args.max_num_batched_tokens)
+                            args.max_num_batched_tokens, args.itl_target)
     results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo)
     if args.json:
         for r in results:
@@ -208,7 +208,9 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
         batch = serving.batch
         print(markdown(results, f"{title}\n{len(serving.requests)} requests, up to {serving.max_new} new tokens "
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
-                                f"{batch.max_num_batched_tokens}; steps priced from the serving grid"))
+                                f"{batch.max_num_batched_tokens}; ITL target "
+                                f"{f'{batch.itl_target_s:g} s' if batch.itl_target_s else 'none'}; steps priced "
+                                f"from the serving grid"))
     if args.plot is not None:
         from simulator.plots import write_load_plots
         for path in write_load_plots(args.plot, results, trace.path.name):

@@ -153,15 +153,20 @@ class ServingReplay:
 
     def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
                  seed: int | None = None, strict: bool = False, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, itl_target_s: float | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
-        (``simulator.schedule``, from ``seed``) instead of its first ``serve_requests``."""
+        (``simulator.schedule``, from ``seed``) instead of its first ``serve_requests``.
+        The batching limits and the ITL target: the recording's where None (a target of 0:
+        none)."""
         config = trace.meta.config
         self.trace = trace
         self.inputs = trace.require_inputs() if inputs is None else inputs
+        if itl_target_s is None:
+            itl_target_s = config.get("itl_target")  # recorded since the target was added; before, none
         self.batch = BatchConfig(int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
                                  int(config["max_num_batched_tokens"] if max_num_batched_tokens is None
-                                     else max_num_batched_tokens))
+                                     else max_num_batched_tokens),
+                                 itl_target_s=float(itl_target_s) if itl_target_s else None)
         self.max_new = int(config["max_new_tokens"])
         self.seed = int(config.get("seed") or 0) if seed is None else seed
         self.requests: list[RecordedRequest] = (

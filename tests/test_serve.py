@@ -446,6 +446,7 @@ def test_defaults_serve_smollm2_on_localhost():
     (["--policy", "fastest"], "unknown policy 'fastest'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
     (["--memory-budget-mib", "-1"], "--memory-budget-mib must be positive"),
+    (["--itl-target", "0"], "--itl-target must be positive, got 0"),
     (["--pair", "/nonexistent/model.gguf", "--policy", "ar", "--port", "0"],
      "GGUF file not found: /nonexistent/model.gguf"),
 ])

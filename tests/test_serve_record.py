@@ -114,6 +114,7 @@ def test_an_interrupted_serving_recording_resumes_without_running_a_load_twice(t
     (["--serve-concurrency", "2", "--serve-policies", "ar,nope"], "--serve-policies: unknown policy 'nope'"),
     (["--serve-concurrency", "2", "--skip", "requests"], "serving under load serves the recorded requests"),
     (["--serve-concurrency", "2", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (["--serve-concurrency", "2", "--itl-target", "-0.1"], "--itl-target must be positive, got -0.1"),
 ])
 def test_bad_serving_arguments_are_one_line(tmp_path, capsys, argv, message):
     try:  # argparse's own errors exit with status 2 after its usage line

@@ -1,0 +1,146 @@
+"""The ITL target's pace (``rakv.scheduler``, ``BatchConfig.itl_target_s``): a round stays
+within the tightest bound a plain step keeps; each request's slack moves by the target's
+seconds for its tokens less the steps' prices; a request behind does not bound the step;
+the live engine's choices under a target replay step for step, and the target changes
+them; bad values are one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from profiler.record import main as record
+from rakv.cost_model import PairTimings
+from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, round_costs
+from rakv.scheduler import BatchConfig, Scheduler, Seq
+from rakv.settings import settings_from_json
+from rakv.step_load import StepLoad, load_prices, longest_within, step_price_s
+from simulator import serve_validate
+from simulator.replay import main as replay
+from simulator.trace import load_trace
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def timings():
+    return settings_from_json(PairTimings, json.loads((FIXTURES / "qwen_int4_zen3_timings.json").read_text()))
+
+
+def test_a_round_stays_within_the_tightest_bound_a_plain_step_keeps():
+    costs = (1.0, 1.2, 1.4, 1.6, 1.8)
+    assert longest_within(costs, 4, ()) == 4  # no target
+    assert longest_within(costs, 4, (1.5,)) == 2
+    assert longest_within(costs, 4, (1.5, 1.7)) == 2  # the tightest
+    assert longest_within(costs, 4, (0.9, 1.5)) == 2  # 0.9: a plain step puts that one behind anyway
+    assert longest_within(costs, 4, (0.9,)) == 4
+    assert longest_within(costs, 4, (1.1,)) == 0  # even k = 1 would put one behind
+    assert longest_within(costs, 3, (5.0,)) == 3  # never past top
+
+
+def test_a_planner_under_a_pace_bound_drafts_less(timings):
+    signals = {DRAFT_MODEL: 0, NGRAM: 3}
+    planner = AdaptiveRounds((DRAFT_MODEL, NGRAM), {(DRAFT_MODEL, 0): 0.9, (NGRAM, 3): 0.9},
+                             {DRAFT_MODEL: 0.9, NGRAM: 0.9}, round_costs(timings, (DRAFT_MODEL, NGRAM), 16, 300),
+                             PlannerConfig())
+    load = StepLoad(2, 2)
+    free = planner.plan(signals, 0, load)
+    assert free[1] > 1
+    prices = load_prices(load, timings, (DRAFT_MODEL, NGRAM), 16, 300)
+    drafter, k = free
+    bound_s = prices.costs_s[drafter][k - 1]  # one draft token fewer fits
+    bounded = planner.plan(signals, 0, StepLoad(2, 2, (), (bound_s,)))
+    assert 0 < bounded[1] < k and prices.costs_s[bounded[0]][bounded[1]] <= bound_s
+    assert planner.plan(signals, 0, StepLoad(2, 2, (), (prices.base_s * 1.0001,)))[1] == 0
+
+
+class _Plain:
+    """A planner walk that takes k = 0, and records the loads it was shown."""
+
+    def __init__(self, loads: list):
+        self.loads = loads
+
+    def plan_move(self, t, max_k=None, load=None):
+        self.loads.append(load)
+        return NGRAM, 0
+
+
+def test_each_slack_moves_by_the_target_for_its_tokens_less_the_steps_price():
+    loads: list = []
+    prices = iter((0.15, 0.35, 0.1))
+    scheduler = Scheduler(BatchConfig(max_num_batched_tokens=64, itl_target_s=0.2), lambda seq: None,
+                          lambda seq: None, lambda: 0, lambda: False, lambda works: next(prices))
+    seqs = [Seq(i, 4, 16, 1, num_tokens=5, num_computed=4, prefill_end=4, moves=_Plain(loads), admitted=True)
+            for i in range(2)]
+    scheduler.running.extend(seqs)
+    scheduler.schedule()  # priced 0.15
+    assert [load.pace_bounds_s for load in loads] == [(0.2,), (0.2,)]  # both on pace, no slack yet
+    seqs[0].num_tokens += 1  # a token for the first, none for the second (as a preempted one)
+    loads.clear()
+    scheduler.schedule()  # priced 0.35
+    assert seqs[0].slack_s == pytest.approx(0.05) and seqs[1].slack_s == pytest.approx(-0.15)
+    # the second is behind: it bounds nobody; the first bounds the second's round
+    assert [load.pace_bounds_s for load in loads] == [(), (pytest.approx(0.25),)]
+    for seq in seqs:
+        seq.num_tokens += 1
+    loads.clear()
+    scheduler.schedule()
+    assert seqs[0].slack_s == pytest.approx(-0.1)
+    assert [load.pace_bounds_s for load in loads] == [(), ()]
+
+
+def test_without_a_target_no_pace_is_kept():
+    loads: list = []
+    scheduler = Scheduler(BatchConfig(), lambda seq: None, lambda seq: None, lambda: 0, lambda: False,
+                          lambda works: 1.0)
+    scheduler.running.extend(Seq(i, 4, 16, 1, num_tokens=5, num_computed=4, prefill_end=4, moves=_Plain(loads),
+                                 admitted=True) for i in range(2))
+    scheduler.schedule()
+    scheduler.schedule()
+    assert [load.pace_bounds_s for load in loads] == [()] * 4
+    assert [seq.slack_s for seq in scheduler.running] == [0.0, 0.0]
+
+
+def test_a_step_is_priced_as_its_rounds_are(timings):
+    """Three plain decodes are the price of one round's step under the other two; a
+    prefill chunk's rows count as rows."""
+    seqs = [Seq(i, 290, 16, 1, num_tokens=300, num_computed=299, prefill_end=290) for i in range(3)]
+    from rakv.scheduler import DECODE, PREFILL, Work
+    works = [Work(seq, DECODE, 1) for seq in seqs]
+    assert step_price_s(works, timings) == pytest.approx(load_prices(StepLoad(2, 2), timings, (NGRAM,), 4,
+                                                                     300).base_s)
+    chunk = Work(Seq(9, 40, 16, 1, num_tokens=40, prefill_end=40), PREFILL, 8)
+    assert step_price_s(works + [chunk], timings) == pytest.approx(
+        timings.target.step_s(300) + timings.target.rows_extra_s(11))
+
+
+def test_the_engine_under_a_target_replays_step_for_step(tmp_path):
+    """Exact because the pace runs on prices, not the wall; the tiny pair's target is set
+    just above its plain step, so it binds."""
+    from rakv.calibrate import load_or_calibrate
+    from rakv.models import load_pair
+    tiny = load_or_calibrate(load_pair("tiny"))
+    target_s = 1.1 * tiny.target.step_s(64)
+    out = tmp_path / "paced"
+    assert record(["--pair", "tiny", "--workload", "fixture-code", "--max-new-tokens", "16", "--grid", "serving",
+                   "--skip", "runs", "--serve-requests", "6", "--max-num-seqs", "3", "--max-num-batched-tokens",
+                   "64", "--serve-concurrency", "3", "--serve-policies", "rakv", "--itl-target", str(target_s),
+                   "--out", str(out)]) == 0
+    trace = load_trace(out)
+    assert trace.meta.config["itl_target"] == target_s
+    [row] = [row for row in serve_validate.validate_serving(trace) if row.steps is not None]
+    assert row.steps.first_difference is None and row.steps.num_equal == row.steps.num_recorded
+    [recorded] = serve_validate.recorded_table(trace, "steps").values()
+    unpaced = serve_validate.ServingReplay(trace, itl_target_s=0).replay("c=3", "rakv", None).steps
+    assert sum(sum(s.composition.ks) for s in unpaced) > sum(sum(row.ks) for row in recorded)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--itl-target", "-1"], "--itl-target must be 0 (none) or above, got -1"),
+])
+def test_a_bad_target_is_a_one_line_error(argv, message, capsys):
+    assert replay(["--trace", "traces/qwen-coder-chat-serve", "--policy", "rakv", *argv]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
