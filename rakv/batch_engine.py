@@ -189,6 +189,7 @@ class BatchEngine(Engine):
             tuple(w.seq.request_id for w in works), tuple(w.kind for w in works), tuple(len(f[0]) for f in feeds),
             num_cached, tuple(w.drafter or "" for w in works), tuple(w.k for w in works),
             forward_start_s - start_s, forward_s, time.perf_counter() - start_s)
+        self.scheduler.ran(self.last_step)
         events, self._events = self._events, []
         return events
 

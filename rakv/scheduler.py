@@ -28,7 +28,7 @@ Invariants:
   ``waiting``, ``running`` or finished (``finish``) or dropped (``remove``).
 - Pace (with ``itl_target_s``). From its first token, each request holds a slack: the
   target's seconds for every token it has made, less every step it was running through,
-  as the planners price steps (``price_s``). Each other decoding request on pace (slack
+  as the planners price what the step ran (``price_s``, told by ``ran``). Each other decoding request on pace (slack
   >= 0) bounds a round's step to the target plus its slack
   (``StepLoad.pace_bounds_s``); the planner keeps its round within the tightest bound
   that a plain step would keep (``step_load.longest_within``), so no request that could
@@ -143,9 +143,9 @@ class Scheduler:
     preempted: Callable[[Seq], None]
     store_bytes: Callable[[], int]
     evict_store: Callable[[], bool]
-    # a step's seconds as the planners price its works (``rakv.step_load.step_price_s``): the
-    # pace's clock, the same live and in a replay; None: no pace is kept
-    price_s: Callable[[list[Work]], float] | None = None
+    # a step's seconds as the planners price what it ran (``rakv.step_load.step_price_s``):
+    # the pace's clock, the same live and in a replay; None: no pace is kept
+    price_s: Callable[[Composition], float] | None = None
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     num_preemptions: int = 0
@@ -154,7 +154,9 @@ class Scheduler:
     # admitted and preempted, so that a step's memory checks cost O(1) each
     _held: dict = field(default_factory=dict)
     _held_bytes: int = 0
-    _last_step: tuple | None = None  # (its price, (seq, t) of each running request with output before it)
+    # the last step's pace: (seq, t) of each running request with output before it, and its price
+    _pace_before: list = field(default_factory=list)
+    _pace_price_s: float = 0.0
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -224,19 +226,23 @@ class Scheduler:
                 works.append(work)
                 budget -= work.rows
         if self.price_s is not None and self.config.itl_target_s is not None:
-            self._last_step = (self.price_s(works), [(seq, seq.t) for seq in self.running if seq.t > 0])
+            self._pace_before = [(seq, seq.t) for seq in self.running if seq.t > 0]
         return works
+
+    def ran(self, step: Composition) -> None:
+        """The step last scheduled, as it ran (its proposals made): its price is the pace's
+        clock. The engine and the replay call it once per step, before the next ``schedule``."""
+        if self._pace_before:
+            self._pace_price_s = self.price_s(step)
 
     # -- pace --------------------------------------------------------------------
     def _pace_last_step(self) -> None:
         """Each request that had its first token before the last step: the ITL target's
         seconds for the tokens the step made it, less the step's price."""
-        if self._last_step is not None:
-            price_s, before = self._last_step
-            itl_s = self.config.itl_target_s
-            for seq, t in before:
-                seq.slack_s += itl_s * (seq.t - t) - price_s
-            self._last_step = None
+        itl_s = self.config.itl_target_s
+        for seq, t in self._pace_before:
+            seq.slack_s += itl_s * (seq.t - t) - self._pace_price_s
+        self._pace_before, self._pace_price_s = [], 0.0
 
     def _paces(self, decoding: list[Seq]) -> list[tuple[float, Seq]]:
         """(the longest step it keeps pace through, seq) of each decoding request on pace,

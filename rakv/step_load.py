@@ -60,20 +60,20 @@ def deepen(depths: list[int], k: int) -> None:
     depths[:k] = [n + 1 for n in depths[:k]] + [1] * (k - len(depths))
 
 
-def step_price_s(works, timings: PairTimings) -> float:
+def step_price_s(step, timings: PairTimings) -> float:
     """A step's seconds as ``load_prices`` prices its parts: the target's step at the
     longest context the step reaches, its rows over one, and the draft model's forwards
-    (the j-th over the rounds that draft a j-th token; each a step with its rows over
-    one). ``works``: ``rakv.scheduler.Work``s, their contexts before the step."""
+    (the j-th over the rounds that drafted a j-th token; each a step with its rows over
+    one). ``step``: what it ran (a ``rakv.scheduler.Composition``); no work, no time."""
+    if not step.rows:
+        return 0.0
     target, draft = timings.target, timings.draft
-    num_rows = num_context = 0
-    depths: list[int] = []  # [j]: draft-model rounds drafting a (j+1)-th token
-    for work in works:
-        num_rows += work.rows
-        num_context = max(num_context, work.seq.num_computed + work.rows)
-        if work.drafter == DRAFT_MODEL:
-            deepen(depths, work.k)
-    price_s = target.step_s(num_context) + target.rows_extra_s(num_rows)
+    depths: list[int] = []  # [j]: draft-model rounds that drafted a (j+1)-th token
+    for rows, drafter, k in zip(step.rows, step.drafters, step.ks):
+        if drafter == DRAFT_MODEL and k:
+            deepen(depths, rows - 1)  # what it proposed: a round may stop short of its k
+    num_context = max(n + rows for n, rows in zip(step.num_cached, step.rows))
+    price_s = target.step_s(num_context) + target.rows_extra_s(sum(step.rows))
     if depths and draft is not None:
         price_s += sum(draft.step_s(num_context) + draft.rows_extra_s(n) for n in depths)
     return price_s

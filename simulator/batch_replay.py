@@ -116,6 +116,7 @@ class BatchReplay:
                                   tuple(self._rows(w) for w in works), tuple(w.seq.num_computed for w in works),
                                   tuple(w.drafter or "" for w in works), tuple(w.k for w in works))
         cuts = tuple(self._row_cut(w) for w in works)
+        self.scheduler.ran(composition)
         for work in works:
             self._advance(work)
         finished = []

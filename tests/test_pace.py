@@ -14,7 +14,7 @@ from profiler.record import main as record
 from rakv.cost_model import PairTimings
 from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, round_costs
-from rakv.scheduler import BatchConfig, Scheduler, Seq
+from rakv.scheduler import DECODE, PREFILL, VERIFY, BatchConfig, Composition, Scheduler, Seq
 from rakv.settings import settings_from_json
 from rakv.step_load import StepLoad, load_prices, longest_within, step_price_s
 from simulator import serve_validate
@@ -71,15 +71,17 @@ def test_each_slack_moves_by_the_target_for_its_tokens_less_the_steps_price():
     loads: list = []
     prices = iter((0.15, 0.35, 0.1))
     scheduler = Scheduler(BatchConfig(max_num_batched_tokens=64, itl_target_s=0.2), lambda seq: None,
-                          lambda seq: None, lambda: 0, lambda: False, lambda works: next(prices))
+                          lambda seq: None, lambda: 0, lambda: False, lambda step: next(prices))
     seqs = [Seq(i, 4, 16, 1, num_tokens=5, num_computed=4, prefill_end=4, moves=_Plain(loads), admitted=True)
             for i in range(2)]
     scheduler.running.extend(seqs)
-    scheduler.schedule()  # priced 0.15
+    scheduler.schedule()
+    scheduler.ran(None)  # priced 0.15
     assert [load.pace_bounds_s for load in loads] == [(0.2,), (0.2,)]  # both on pace, no slack yet
     seqs[0].num_tokens += 1  # a token for the first, none for the second (as a preempted one)
     loads.clear()
-    scheduler.schedule()  # priced 0.35
+    scheduler.schedule()
+    scheduler.ran(None)  # priced 0.35
     assert seqs[0].slack_s == pytest.approx(0.05) and seqs[1].slack_s == pytest.approx(-0.15)
     # the second is behind: it bounds nobody; the first bounds the second's round
     assert [load.pace_bounds_s for load in loads] == [(), (pytest.approx(0.25),)]
@@ -94,26 +96,29 @@ def test_each_slack_moves_by_the_target_for_its_tokens_less_the_steps_price():
 def test_without_a_target_no_pace_is_kept():
     loads: list = []
     scheduler = Scheduler(BatchConfig(), lambda seq: None, lambda seq: None, lambda: 0, lambda: False,
-                          lambda works: 1.0)
+                          lambda step: 1.0)
     scheduler.running.extend(Seq(i, 4, 16, 1, num_tokens=5, num_computed=4, prefill_end=4, moves=_Plain(loads),
                                  admitted=True) for i in range(2))
-    scheduler.schedule()
-    scheduler.schedule()
+    for _ in range(2):
+        scheduler.schedule()
+        scheduler.ran(None)
     assert [load.pace_bounds_s for load in loads] == [()] * 4
     assert [seq.slack_s for seq in scheduler.running] == [0.0, 0.0]
 
 
 def test_a_step_is_priced_as_its_rounds_are(timings):
     """Three plain decodes are the price of one round's step under the other two; a
-    prefill chunk's rows count as rows."""
-    seqs = [Seq(i, 290, 16, 1, num_tokens=300, num_computed=299, prefill_end=290) for i in range(3)]
-    from rakv.scheduler import DECODE, PREFILL, Work
-    works = [Work(seq, DECODE, 1) for seq in seqs]
-    assert step_price_s(works, timings) == pytest.approx(load_prices(StepLoad(2, 2), timings, (NGRAM,), 4,
-                                                                     300).base_s)
-    chunk = Work(Seq(9, 40, 16, 1, num_tokens=40, prefill_end=40), PREFILL, 8)
-    assert step_price_s(works + [chunk], timings) == pytest.approx(
-        timings.target.step_s(300) + timings.target.rows_extra_s(11))
+    prefill chunk's rows count as rows; a draft round that stopped short is priced by what
+    it drafted; no work, no time."""
+    plain = Composition((0, 1, 2), (DECODE,) * 3, (1, 1, 1), (299, 250, 200), ("",) * 3, (0, 0, 0))
+    assert step_price_s(plain, timings) == pytest.approx(
+        load_prices(StepLoad(2, 2), timings, (NGRAM,), 4, 300).base_s)
+    chunk = Composition((0, 9), (DECODE, PREFILL), (1, 8), (299, 0), ("", ""), (0, 0))
+    assert step_price_s(chunk, timings) == pytest.approx(timings.target.step_s(300) + timings.target.rows_extra_s(9))
+    stopped = Composition((0, 1), (VERIFY, DECODE), (3, 1), (299, 250), (DRAFT_MODEL, ""), (8, 0))
+    assert step_price_s(stopped, timings) == pytest.approx(
+        timings.target.step_s(302) + timings.target.rows_extra_s(4) + 2 * timings.draft.step_s(302))
+    assert step_price_s(Composition((), (), (), (), (), ()), timings) == 0.0
 
 
 def test_the_engine_under_a_target_replays_step_for_step(tmp_path):
