@@ -20,7 +20,7 @@ from simulator.step_costs import fit_forward, fit_step_costs
 from simulator.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
-SERVING_TRACES = sorted(p.name for p in TRACES.glob("*-serve") if p.is_dir())
+SERVING_TRACES = sorted(p.name for p in TRACES.glob("*-serve*") if p.is_dir() and not p.name.startswith("."))
 POLICIES = "ar,spec-k4,ngram-k4,joint-k4,rakv"
 
 
