@@ -13,7 +13,8 @@
 # traces hold the batching engine serving 16 requests at 1, 2, 4 and 8 in flight (and a
 # Poisson rate) under ar and rakv (the Qwen ones also under the fixed policy of the drafter
 # that pays there at batch 1, for the crossover; chat also under kv-only and the shipped
-# learned policy; code's -poisson trace serves those five at two Poisson rates only; chat's
+# learned policy; ShareGPT under ar, kv-only, the fixed policy best there at batch 1
+# (joint-ngram-k4), rakv and learned; code's -poisson trace serves five at two Poisson rates only; chat's
 # -paced trace serves kv-only, rakv and learned at 8 in flight and 0.6 req/s with an ITL
 # target of 0.15 s), and the op grid over batch shapes; a -serve-again trace is the
 # same recording made again right after, how well the machine repeats itself
@@ -48,6 +49,7 @@ TRACES=(
   "qwen-coder-humaneval-serve-poisson|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-rate 0.2,0.4 --serve-policies ar,kv-only,spec-k2,rakv,learned"
   "qwen-coder-chat-serve|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,kv-only,ngram-k2,rakv,learned"
   "qwen-coder-chat-serve-again|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,kv-only,ngram-k2,rakv,learned"
+  "qwen-coder-sharegpt-serve|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-rate 0.2,0.4 --serve-policies ar,kv-only,joint-ngram-k4,rakv,learned"
   "qwen-coder-chat-serve-paced|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 8 --serve-rate 0.6 --serve-policies kv-only,rakv,learned --itl-target 0.15"
   "qwen-coder-code-repeat|--pair qwen-coder --workload code-repeat --requests 24 --max-new-tokens 96 --grid calibration --runs-sample 24 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
   "qwen-coder-sql-template|--pair qwen-coder --workload sql-template --requests 32 --max-new-tokens 96 --grid calibration --runs-sample 32 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
