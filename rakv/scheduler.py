@@ -178,7 +178,9 @@ class Scheduler:
     def schedule(self) -> list[Work]:
         """The works of the next step (empty when nothing can run)."""
         budget = self.config.max_num_batched_tokens
-        self._pace_last_step()
+        pacing = self.price_s is not None and self.config.itl_target_s is not None
+        if pacing:
+            self._pace_last_step()
         self._held, self._held_bytes = {}, 0
         for seq in self.running:
             self._reserve(seq, seq.num_computed)
@@ -186,7 +188,7 @@ class Scheduler:
         decoding = [seq for seq in self.running if not seq.prefilling]  # a prefill waits for the second pass
         num_alive = len(decoding)  # those not preempted: a prefix of them (preemption takes the newest)
         planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
-        paces = self._paces(decoding)
+        paces = self._paces(decoding) if pacing else []
         for i, seq in enumerate(decoding):
             if i >= num_alive or budget == 0:
                 break
@@ -202,7 +204,7 @@ class Scheduler:
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
             budget -= k + 1
             planned_rows += k + 1
-            if drafter == DRAFT_MODEL:
+            if drafter == DRAFT_MODEL and k:
                 deepen(depths, k)
         for seq in self.running:
             if seq.prefilling and budget > 0:
@@ -225,7 +227,7 @@ class Scheduler:
             if work is not None:
                 works.append(work)
                 budget -= work.rows
-        if self.price_s is not None and self.config.itl_target_s is not None:
+        if pacing:
             self._pace_before = [(seq, seq.t) for seq in self.running if seq.t > 0]
         return works
 
@@ -246,9 +248,7 @@ class Scheduler:
 
     def _paces(self, decoding: list[Seq]) -> list[tuple[float, Seq]]:
         """(the longest step it keeps pace through, seq) of each decoding request on pace,
-        tightest first; none without an ITL target or a price."""
-        if self.price_s is None or self.config.itl_target_s is None:
-            return []
+        tightest first."""
         itl_s = self.config.itl_target_s
         return sorted(((itl_s + seq.slack_s, seq) for seq in decoding if seq.slack_s >= 0), key=_first)
 
