@@ -28,12 +28,12 @@ Invariants:
   ``waiting``, ``running`` or finished (``finish``) or dropped (``remove``).
 - Pace (with ``itl_target_s``). From its first token, each request holds a slack: the
   target's seconds for every token it has made, less every step it was running through,
-  as the planners price what the step ran (``price_s``, told by ``ran``). Each other decoding request on pace (slack
-  >= 0) bounds a round's step to the target plus its slack
-  (``StepLoad.pace_bounds_s``); the planner keeps its round within the tightest bound
-  that a plain step would keep (``step_load.longest_within``), so no request that could
-  stay on pace falls behind it for another's round, and a request may spend its own
-  slack. A request already behind, or one that a plain step already puts behind, does
+  as the planners price what the step ran (``price_s``, told by ``ran``). Each other
+  decoding request on pace (slack >= 0) bounds a round's step to the target plus its
+  slack (``StepLoad.pace_bounds_s``); the planner keeps its round within the tightest
+  bound that a plain step would keep (``step_load.longest_within``), so no request that
+  could stay on pace falls behind it for another's round, and a request may spend its
+  own slack. Prefill chunks are not paced. A request already behind, or one that a plain step already puts behind, does
   not bound it: where plain steps cannot keep the pace (the load is past what they serve
   at the target), tokens per second is what brings requests back, and rounds are priced
   by it alone. The clock is the price, not the wall, so a replay makes the engine's
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Callable
 
 from rakv.drafters import DRAFT_MODEL
@@ -250,7 +251,7 @@ class Scheduler:
         """(the longest step it keeps pace through, seq) of each decoding request on pace,
         tightest first."""
         itl_s = self.config.itl_target_s
-        return sorted(((itl_s + seq.slack_s, seq) for seq in decoding if seq.slack_s >= 0), key=_first)
+        return sorted(((itl_s + seq.slack_s, seq) for seq in decoding if seq.slack_s >= 0), key=itemgetter(0))
 
     def _planned(self, work: Work) -> Work:
         if work.seq in self._held:  # a waiting request's rows count from its admission
@@ -307,10 +308,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.preempted(seq)
         self.waiting.appendleft(seq)
-
-
-def _first(pair: tuple) -> float:
-    return pair[0]
 
 
 def _bounds_beside(seq: Seq, paces: list[tuple[float, Seq]]) -> tuple[float, ...]:

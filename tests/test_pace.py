@@ -121,25 +121,37 @@ def test_a_step_is_priced_as_its_rounds_are(timings):
     assert step_price_s(Composition((), (), (), (), (), ()), timings) == 0.0
 
 
-def test_the_engine_under_a_target_replays_step_for_step(tmp_path):
-    """Exact because the pace runs on prices, not the wall; the tiny pair's target is set
-    just above its plain step, so it binds."""
-    from rakv.calibrate import load_or_calibrate
-    from rakv.models import load_pair
-    tiny = load_or_calibrate(load_pair("tiny"))
-    target_s = 1.1 * tiny.target.step_s(64)
-    out = tmp_path / "paced"
+def _record_tiny(out: Path, *target: str):
     assert record(["--pair", "tiny", "--workload", "fixture-code", "--max-new-tokens", "16", "--grid", "serving",
                    "--skip", "runs", "--serve-requests", "6", "--max-num-seqs", "3", "--max-num-batched-tokens",
-                   "64", "--serve-concurrency", "3", "--serve-policies", "rakv", "--itl-target", str(target_s),
-                   "--out", str(out)]) == 0
-    trace = load_trace(out)
-    assert trace.meta.config["itl_target"] == target_s
-    [row] = [row for row in serve_validate.validate_serving(trace) if row.steps is not None]
+                   "64", "--serve-concurrency", "3", "--serve-policies", "rakv", *target, "--out", str(out)]) == 0
+    return load_trace(out)
+
+
+def _drafted(steps) -> int:
+    return sum(sum(step.ks) for step in steps)
+
+
+def test_the_engine_under_a_target_replays_step_for_step(tmp_path):
+    """Exact because the pace runs on prices, not the wall. The target is one that binds
+    on this machine's calibration of the tiny pair: the replay of a recording without a
+    target finds it (a replay makes the engine's choices), then the engine runs under it."""
+    free = _record_tiny(tmp_path / "free")
+    step_s = free.require_inputs().timings.target.step_s(64)
+    [unpaced] = serve_validate.recorded_table(free, "steps").values()
+
+    def replayed(target_s: float) -> int:
+        return _drafted(s.composition for s in serve_validate.ServingReplay(free, itl_target_s=target_s)
+                        .replay("c=3", "rakv", None).steps)
+    factors = (1.01 * 1.04 ** i for i in range(30))  # 1.01 to 3.1 times a one-row step
+    binding = [t for t in (step_s * f for f in factors) if replayed(t) < _drafted(unpaced)]
+    assert binding, "no target binds on this calibration of the tiny pair"
+    paced = _record_tiny(tmp_path / "paced", "--itl-target", str(binding[0]))
+    assert paced.meta.config["itl_target"] == binding[0]
+    [row] = [row for row in serve_validate.validate_serving(paced) if row.steps is not None]
     assert row.steps.first_difference is None and row.steps.num_equal == row.steps.num_recorded
-    [recorded] = serve_validate.recorded_table(trace, "steps").values()
-    unpaced = serve_validate.ServingReplay(trace, itl_target_s=0).replay("c=3", "rakv", None).steps
-    assert sum(sum(s.composition.ks) for s in unpaced) > sum(sum(row.ks) for row in recorded)
+    [recorded] = serve_validate.recorded_table(paced, "steps").values()
+    assert _drafted(recorded) < _drafted(unpaced)
 
 
 @pytest.mark.parametrize("argv, message", [
