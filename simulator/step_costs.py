@@ -87,10 +87,20 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
     added = [(median(batched[b, r, high]) - median(batched[b, r, low])) / (b * r * (high - low))
              for (b, r, c) in batched if c == low and (b, r, high) in batched] if high > low else []
     per_position = max(median(added), 0.0) if added else 0.0
+
+    def at_low(b: int, r: int) -> float:
+        """The point of b x r at the smallest context: more cached positions never cost
+        less, so one above its largest context's is the grid's noise, and that one is
+        taken (a Qwen ShareGPT grid had 1 x 1 at 82.8 ms after 128 positions, 72.6 after
+        512, and its 75 ms plain steps were priced 9-12 % high). Not that one less what
+        the positions between add: that median overshoots many points, and every serving
+        trace validated worse with it."""
+        seconds = median(batched[b, r, low])
+        return min(seconds, median(batched[b, r, high])) if (b, r, high) in batched else seconds
     points: dict[float, list[float]] = defaultdict(list)
-    for (b, r, c), seconds in batched.items():
+    for (b, r, c) in batched:
         if c == low and b == 1:
-            points[r].extend(s - per_position * r * c for s in seconds)
+            points[r].append(at_low(b, r) - per_position * r * c)
     for n, seconds in prefills.items():
         if n not in points:  # a forward after a context is what a step runs: the batched point where both are
             points[n].extend(seconds)
@@ -100,8 +110,8 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
         top = max(top, median(points[x]))
         ys.append(top)
     rows = Curve(tuple(float(x) for x in xs), tuple(ys))
-    added = {(r, b): [max((median(seconds) - per_position * b * r * low - rows(b * r)) / (b - 1), 0.0)]
-             for (b, r, c), seconds in batched.items() if c == low and b > 1}
+    added = {(r, b): [max((at_low(b, r) - per_position * b * r * low - rows(b * r)) / (b - 1), 0.0)]
+             for (b, r, c) in batched if c == low and b > 1}
     if not added:
         return ForwardCosts(rows, None, 0.0, per_position)
     return ForwardCosts(rows, surface(added), float(max(r for r, _ in added)), per_position)

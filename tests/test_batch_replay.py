@@ -80,6 +80,19 @@ def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
     assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
 
 
+def test_a_grid_point_above_its_longer_contexts_is_taken_as_noise():
+    """More cached positions never cost less: a point after the smallest context that
+    measured above the same point after the largest is priced as that one (a Qwen
+    ShareGPT grid: 1 x 1 at 82.8 ms after 128 positions, 72.6 after 512)."""
+    def seconds(b, r, c):
+        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c) * (1.2 if (b, r, c) == (1, 1, 128) else 1.0),
+                 num_requests=b) for b in (1, 2) for r in (1, 2) for c in (128, 512) for i in range(3)]
+    forward = fit_forward(ops, "target")
+    assert forward.seconds([(1, 128)]) == pytest.approx(seconds(1, 1, 512), rel=1e-3)
+    assert forward.seconds([(2, 128)]) == pytest.approx(seconds(1, 2, 128), rel=1e-3)
+
+
 def test_a_further_request_costs_by_its_rows():
     """Where each further request in a forward costs more with more logits rows, the grid's
     batched points are priced exactly, a step between them by its mean logits rows, a step
