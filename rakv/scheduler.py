@@ -33,11 +33,11 @@ Invariants:
   slack (``StepLoad.pace_bounds_s``); the planner keeps its round within the tightest
   bound that a plain step would keep (``step_load.longest_within``), so no request that
   could stay on pace falls behind it for another's round, and a request may spend its
-  own slack. Prefill chunks are not paced. A request already behind, or one that a plain step already puts behind, does
-  not bound it: where plain steps cannot keep the pace (the load is past what they serve
-  at the target), tokens per second is what brings requests back, and rounds are priced
-  by it alone. The clock is the price, not the wall, so a replay makes the engine's
-  choices exactly.
+  own slack. Prefill chunks are not paced. A request already behind, or one that a
+  plain step already puts behind, does not bound it: where plain steps cannot keep the
+  pace (the load is past what they serve at the target), tokens per second is what
+  brings requests back, and rounds are priced by it alone. The clock is the price, not
+  the wall, so a replay makes the engine's choices exactly.
 """
 from __future__ import annotations
 
