@@ -7,9 +7,9 @@ target, a round starting at t with draft length k accepts exactly min(k, m_t) to
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence, cast
 
-from rakv.drafters import DRAFT_MODEL, RunLengths
+from rakv.drafters import DRAFT_MODEL, Columns, RunLengths
 from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.rounds import PlannedRounds, walk
 from rakv.suffix_drafter import SUFFIX, SuffixColumns, SuffixConfig, SuffixDrafter
@@ -37,9 +37,9 @@ class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, chea
     proposed_exact: bool = True
 
 
-def with_store_drafter(lengths: Mapping[str, RunLengths], drafters: Sequence[str], store, namespace: str,
+def with_store_drafter(lengths: Mapping[str, Columns], drafters: Sequence[str], store, namespace: str,
                        config: SuffixConfig, tokens: Sequence[int], num_prompt: int,
-                       num_output: int) -> Mapping[str, RunLengths]:
+                       num_output: int) -> Mapping[str, Columns]:
     """A trace's run lengths of a request, with the store drafter's where ``drafters`` ready
     it: those are not in the trace, as they depend on what the store holds (``store``, a
     ``rakv.store_model.StoreModel``, replayed), and are looked up as the engine looks them
@@ -51,7 +51,7 @@ def with_store_drafter(lengths: Mapping[str, RunLengths], drafters: Sequence[str
     return {**lengths, SUFFIX: SuffixColumns(drafter, tokens, num_prompt, num_output, output)}
 
 
-def replay_request(planner, lengths: Mapping[str, RunLengths], num_output: int,
+def replay_request(planner, lengths: Mapping[str, Columns], num_output: int,
                    max_new_tokens: int, tokens: Sequence[int] = ()) -> list[ReplayedRound]:
     """The speculation rounds of a request whose greedy output has ``num_output`` tokens,
     as the engine makes them under ``planner`` (``rakv.rounds.PlannedRounds``; ``tokens``:
@@ -76,11 +76,11 @@ class RunLengthRounds(PlannedRounds):
     walked whole at batch 1 (``replay_request``), or move by move under the batching
     scheduler (``simulator.batch_replay``)."""
 
-    def __init__(self, planner, lengths: Mapping[str, RunLengths], num_output: int, max_new_tokens: int,
+    def __init__(self, planner, lengths: Mapping[str, Columns], num_output: int, max_new_tokens: int,
                  tokens: Sequence[int]):
         super().__init__(planner, lengths, max_new_tokens, num_output, tokens)
         self._lists = {d: (lengths[d].proposed, lengths[d].runs) for d in planner.drafters}
-        self._top1_probs = lengths[DRAFT_MODEL].top1_probs if DRAFT_MODEL in lengths else None
+        self._top1_probs = cast(RunLengths, lengths[DRAFT_MODEL]).top1_probs if DRAFT_MODEL in lengths else None
 
     def propose(self, t: int, drafter: str, k: int, stop_below: float,
                 draft_seen: int) -> tuple[ReplayedRound, Sequence]:

@@ -94,10 +94,10 @@ def ngram_lookup(seq: Sequence[int] | np.ndarray, k: int,
 class Drafter(Protocol):
     name: str
 
-    def propose(self, seq: list[int], k: int) -> list[int]:
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
         """At most k tokens to follow ``seq`` (the true sequence so far)."""
 
-    def signal(self, seq: list[int]) -> int:
+    def signal(self, seq: Sequence[int]) -> int:
         """What the drafter knows of its next proposal's quality before making it (ngram:
         the matched n-gram length, 0 when it has no proposal; a draft model: always 0)."""
 
@@ -116,20 +116,20 @@ class NgramDrafter:
     _memo: tuple[int, list[int], int, int] = field(default=(-1, [], 0, 0), init=False, repr=False)
     # (length, proposal, n, extent)
 
-    def match(self, seq: list[int], k: int) -> tuple[list[int], int]:
+    def match(self, seq: Sequence[int], k: int) -> tuple[list[int], int]:
         if self._memo[0] != len(seq) or k > self.max_k:
             self._memo = (len(seq), *ngram_lookup(seq, max(k, self.max_k), self.config))
         return self._memo[1][:k], self._memo[2]
 
-    def extent(self, seq: list[int]) -> int:
+    def extent(self, seq: Sequence[int]) -> int:
         """The match extended backwards (``ngram_lookup``)."""
         self.match(seq, self.max_k)
         return self._memo[3]
 
-    def propose(self, seq: list[int], k: int) -> list[int]:
+    def propose(self, seq: Sequence[int], k: int) -> list[int]:
         return self.match(seq, k)[0]
 
-    def signal(self, seq: list[int]) -> int:
+    def signal(self, seq: Sequence[int]) -> int:
         return self.match(seq, self.max_k)[1]
 
     def rollback(self, num_valid: int) -> None:
@@ -149,6 +149,21 @@ def matching_prefix_length(proposal: Sequence[int], actual: Sequence[int]) -> in
     return run
 
 
+class Columns(Protocol):
+    """A drafter's per-position columns over one request, as planners and replays read
+    them: ``RunLengths``, or columns looked up on demand
+    (``rakv.suffix_drafter.SuffixColumns``)."""
+
+    @property
+    def runs(self) -> Sequence[int]: ...
+
+    @property
+    def proposed(self) -> Sequence[int]: ...
+
+    @property
+    def signals(self) -> Sequence[int]: ...
+
+
 @dataclass(frozen=True)
 class RunLengths:
     """A drafter's behaviour at every output position t of a greedy output."""
@@ -160,7 +175,7 @@ class RunLengths:
     extents: Sequence[int] | None = None  # prompt lookup's: its match at t extended backwards (``ngram_lookup``)
 
 
-def ngram_run_lengths(prompt_ids: list[int], output_ids: list[int], max_k: int,
+def ngram_run_lengths(prompt_ids: Sequence[int], output_ids: Sequence[int], max_k: int,
                       config: NgramConfig = NgramConfig()) -> RunLengths:
     """Prompt lookup's run lengths over a greedy output."""
     seq = np.asarray(list(prompt_ids) + list(output_ids), dtype=np.int64)

@@ -36,11 +36,11 @@ its rounds.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, cast
 
 import numpy as np
 
-from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
 from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
 from rakv.step_load import StepLoad, longest_within
@@ -112,10 +112,10 @@ class LearnedRounds(AdaptiveRounds):
         self._t = 0
         self._cheapest = {d: min(self.costs_s[d][1:]) for d in drafters}  # seconds of the cheapest round
         self._draft_prob = NONE
-        self._lengths: Mapping[str, RunLengths] = {}
-        self._tokens: Sequence[int] = ()
+        self._lengths: Mapping[str, Columns] = {}
+        self._tokens: Sequence[int] | np.ndarray = ()
 
-    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+    def bind(self, lengths: Mapping[str, Columns], tokens: Sequence[int] = ()) -> None:
         """``tokens``: the request's sequence, prompt first (``rakv.rounds.PlannedRounds``)."""
         self._lengths, self._tokens = lengths, tokens
 
@@ -139,7 +139,7 @@ class LearnedRounds(AdaptiveRounds):
         """``ROUND_FEATURES`` of ``drafter`` at t (``extent``: prompt lookup's alone; the
         store drafter's match length is in its signal's bucket)."""
         h = self.history[drafter]
-        extents = self._lengths[NGRAM].extents if drafter == NGRAM else None
+        extents = cast(RunLengths, self._lengths[NGRAM]).extents if drafter == NGRAM else None
         draft = drafter == DRAFT_MODEL
         return [signal, self.longest_round(drafter, t), extents[t] if extents is not None else 0, t,
                 self.num_new_tokens - t, self.estimate(drafter, signal), h.trials,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
-from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, RunLengths, ngram_prior
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths, ngram_prior
 from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.step_load import StepLoad, load_prices, longest_within
 
@@ -81,7 +81,7 @@ class FixedRounds:
         self.drafters = (drafter,) if k > 0 else ()
         self._counts = _Counts()
 
-    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+    def bind(self, lengths: Mapping[str, Columns], tokens: Sequence[int] = ()) -> None:
         pass
 
     @property
@@ -284,7 +284,9 @@ class AdaptiveRounds:
     """
 
     adaptive = True  # each round planned anew
-    memo_key = None  # its rounds start from the policy's running estimates: not the request's alone
+    @property
+    def memo_key(self) -> tuple | None:
+        return None  # its rounds start from the policy's running estimates: not the request's alone
 
     def __init__(self, drafters: tuple[str, ...], priors: Mapping[tuple[str, int], float],
                  fallback: Mapping[str, float], costs: "RoundCosts", config: PlannerConfig = PlannerConfig(),
@@ -321,7 +323,7 @@ class AdaptiveRounds:
             return self.acceptance[drafter, signal]
         return initial_estimate(drafter, signal, self.fallback)
 
-    def bind(self, lengths: Mapping[str, RunLengths], tokens: Sequence[int] = ()) -> None:
+    def bind(self, lengths: Mapping[str, Columns], tokens: Sequence[int] = ()) -> None:
         pass  # the signals are all it reads
 
     def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:

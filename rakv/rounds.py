@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
 
-from rakv.drafters import DRAFT_MODEL, RunLengths
+from rakv.drafters import DRAFT_MODEL, Columns, RunLengths
 
 _PLAIN_STEP = (None, 1)  # a move: no round, one token (shared, as moves are made on every iteration)
 _NO_PLAN = (None, 0)
@@ -131,7 +131,7 @@ class PlannedRounds:
       proposed token (confidence stops only, else empty).
     """
 
-    def __init__(self, planner, lengths: Mapping[str, RunLengths], max_new_tokens: int, end: int,
+    def __init__(self, planner, lengths: Mapping[str, Columns], max_new_tokens: int, end: int,
                  tokens: Sequence[int] = ()):
         self.planner = planner
         self.end = end

@@ -245,10 +245,10 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
             draft += alive[0][0][depth * w:(depth + common) * w]
             depth += common
             continue
-        at, counts = slice(depth * w, depth * w + w), {}
+        begin, counts = depth * w, {}
         for c, count in alive:
-            if len(c) > depth * w:
-                token = c[at]
+            if len(c) > begin:
+                token = c[begin:begin + w]
                 counts[token] = counts.get(token, 0) + count
         if not counts:
             break
@@ -258,7 +258,7 @@ def walk_continuations(continuations: Sequence[bytes], cap: int, min_prob: float
         if depth == 0:
             first_share = count / total
         draft += token
-        alive = [(c, n) for c, n in alive if len(c) > depth * w and c[at] == token]
+        alive = [(c, n) for c, n in alive if len(c) > depth * w and c[begin:begin + w] == token]
         depth += 1
     return memoryview(draft).cast("q").tolist(), first_share
 
