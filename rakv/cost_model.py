@@ -95,6 +95,11 @@ class ModelTimings:
         return (self.prefill_fixed_s + self.prefill_per_token_s * num_new
                 + self.prefill_per_token_context_s * num_new * attended)
 
+    def chunk_s(self, num_new: int, num_cached: int) -> float:
+        """What a prefill chunk of ``num_new`` tokens after ``num_cached`` adds to a
+        batched step: its prefill less the fixed part, which the step pays once."""
+        return self.prefill_s(num_new, num_cached) - self.prefill_fixed_s if num_new > 0 else 0.0
+
     def step_s(self, num_context: int) -> float:
         return self.step_fixed_s + self.step_per_context_s * num_context
 

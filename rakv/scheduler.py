@@ -47,9 +47,7 @@ from operator import itemgetter
 from typing import Callable
 
 from rakv.drafters import DRAFT_MODEL
-from rakv.step_load import StepLoad, deepen
-
-PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+from rakv.step_load import DECODE, PREFILL, VERIFY, StepLoad, deepen
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 

@@ -39,6 +39,9 @@ from typing import Sequence
 from rakv.cost_model import ModelTimings, PairTimings
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE
 
+# a step's works' kinds (``rakv.scheduler.Work``): a prefill chunk, one decode row, a round's verification
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
 
 @dataclass(frozen=True)
 class StepLoad:
@@ -62,18 +65,27 @@ def deepen(depths: list[int], k: int) -> None:
 
 def step_price_s(step, timings: PairTimings) -> float:
     """A step's seconds as ``load_prices`` prices its parts: the target's step at the
-    longest context the step reaches, its rows over one, and the draft model's forwards
-    (the j-th over the rounds that drafted a j-th token; each a step with its rows over
-    one). ``step``: what it ran (a ``rakv.scheduler.Composition``); no work, no time."""
+    longest context the step reaches, its rounds' rows over one, each prefill chunk's
+    tokens (``ModelTimings.chunk_s``: the rows curve, measured up to a round's rows and
+    extended to a chunk's, priced steps with chunks 20-24 % above what they took, the
+    prefill's own line 6-11 %; plain steps 9-40 %: ``bench.step_price``), and the draft
+    model's forwards (the j-th over the rounds that drafted a j-th token; each a step
+    with its rows over one). ``step``: what it ran (a ``rakv.scheduler.Composition``);
+    no work, no time."""
     if not step.rows:
         return 0.0
     target, draft = timings.target, timings.draft
     depths: list[int] = []  # [j]: draft-model rounds that drafted a (j+1)-th token
-    for rows, drafter, k in zip(step.rows, step.drafters, step.ks):
+    num_round_rows, chunks_s = 0, 0.0
+    for kind, rows, num_cached, drafter, k in zip(step.kinds, step.rows, step.num_cached, step.drafters, step.ks):
+        if kind == PREFILL:
+            chunks_s += target.chunk_s(rows, num_cached)
+            continue
+        num_round_rows += rows
         if drafter == DRAFT_MODEL and k:
             deepen(depths, rows - 1)  # what it proposed: a round may stop short of its k
     num_context = max(n + rows for n, rows in zip(step.num_cached, step.rows))
-    price_s = target.step_s(num_context) + target.rows_extra_s(sum(step.rows))
+    price_s = target.step_s(num_context) + target.rows_extra_s(num_round_rows) + chunks_s
     if depths and draft is not None:
         price_s += sum(draft.step_s(num_context) + draft.rows_extra_s(n) for n in depths)
     return price_s

@@ -108,13 +108,15 @@ def test_without_a_target_no_pace_is_kept():
 
 def test_a_step_is_priced_as_its_rounds_are(timings):
     """Three plain decodes are the price of one round's step under the other two; a
-    prefill chunk's rows count as rows; a draft round that stopped short is priced by what
-    it drafted; no work, no time."""
+    prefill chunk is priced by the prefill's tokens, its fixed part paid once by the
+    step; a draft round that stopped short is priced by what it drafted; no work, no time."""
     plain = Composition((0, 1, 2), (DECODE,) * 3, (1, 1, 1), (299, 250, 200), ("",) * 3, (0, 0, 0))
     assert step_price_s(plain, timings) == pytest.approx(
         load_prices(StepLoad(2, 2), timings, (NGRAM,), 4, 300).base_s)
     chunk = Composition((0, 9), (DECODE, PREFILL), (1, 8), (299, 0), ("", ""), (0, 0))
-    assert step_price_s(chunk, timings) == pytest.approx(timings.target.step_s(300) + timings.target.rows_extra_s(9))
+    target = timings.target
+    assert step_price_s(chunk, timings) == pytest.approx(
+        target.step_s(300) + target.prefill_s(8, 0) - target.prefill_fixed_s)
     stopped = Composition((0, 1), (VERIFY, DECODE), (3, 1), (299, 250), (DRAFT_MODEL, ""), (8, 0))
     assert step_price_s(stopped, timings) == pytest.approx(
         timings.target.step_s(302) + timings.target.rows_extra_s(4) + 2 * timings.draft.step_s(302))
