@@ -123,6 +123,20 @@ def test_a_step_is_priced_as_its_rounds_are(timings):
     assert step_price_s(Composition((), (), (), (), (), ()), timings) == 0.0
 
 
+def test_the_price_bench_reads_recorded_steps(capsys):
+    """bench.step_price: price over measured seconds of a shipped trace's recorded steps;
+    chunks priced by the prefill's line sit nearer what they took than on the rows curve;
+    a missing trace is a one-line error."""
+    from bench.step_price import main as step_price
+    trace = Path(__file__).resolve().parents[1] / "traces" / "qwen-coder-humaneval-serve"
+    assert step_price(["--trace", str(trace), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["num_plain"], row["num_chunk"]) == (2796, 146)
+    assert 1.0 < row["chunk"] < row["chunk_on_rows_curve"]
+    assert step_price(["--trace", "no-such-trace"]) == 1
+    assert capsys.readouterr().err.strip() == "error: no-such-trace: no such trace directory"
+
+
 def _record_tiny(out: Path, *target: str):
     assert record(["--pair", "tiny", "--workload", "fixture-code", "--max-new-tokens", "16", "--grid", "serving",
                    "--skip", "runs", "--serve-requests", "6", "--max-num-seqs", "3", "--max-num-batched-tokens",
