@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
-from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths, ngram_prior
+from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, ngram_prior
 from rakv.suffix_drafter import SUFFIX, suffix_prior
 from rakv.step_load import StepLoad, load_prices, longest_within
 
@@ -284,6 +284,7 @@ class AdaptiveRounds:
     """
 
     adaptive = True  # each round planned anew
+
     @property
     def memo_key(self) -> tuple | None:
         return None  # its rounds start from the policy's running estimates: not the request's alone

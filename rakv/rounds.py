@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol, Sequence
 
-from rakv.drafters import DRAFT_MODEL, Columns, RunLengths
+from rakv.drafters import DRAFT_MODEL, Columns
 
 _PLAIN_STEP = (None, 1)  # a move: no round, one token (shared, as moves are made on every iteration)
 _NO_PLAN = (None, 0)
