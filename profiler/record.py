@@ -50,6 +50,7 @@ from profiler.schema import (META_DECISION_INPUTS, META_TIMING_TRACE, DecisionRo
 from profiler.serve_record import loads_of, record_serving
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
+from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_precision_arguments, run_cli
 from rakv.choices import ADAPTIVE_NAME, fixed_policy_names
 from rakv.controller import ControllerConfig
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap on tokens per request (default: the workload's)")
     p.add_argument("--out", type=Path, default=None, help="trace directory (default: traces/<pair>-<workload>)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted recording in --out")
+    p.add_argument("--recalibrate", action="store_true", help=RECALIBRATE_HELP)
     p.add_argument("--runs-sample", type=int, default=6,
                    help="requests run end to end under every policy, plus their conversations' later turns (default: 6)")
     p.add_argument("--runs-max-new-tokens", type=int, default=32, help="tokens per end-to-end run (default: 32)")
@@ -151,7 +153,7 @@ def decision_inputs(pair, args) -> DecisionInputs:
     timings = None
     if not args.random_weights:
         from rakv.calibrate import load_or_calibrate
-        timings = load_or_calibrate(pair)
+        timings = load_or_calibrate(pair, refresh=args.recalibrate)
     return DecisionInputs(
         engine=ENGINE_CONFIG, controller=CONTROLLER_CONFIG, timings=timings,
         target_sizes=measure_sizes(pair.target),
@@ -166,7 +168,7 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
               "draft_layers": None if pair.draft is None else pair.draft.config.num_hidden_layers,
               "linear_kernels": pair.linear_kernels, "weights": pair.weights}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("resume", "out", "skip", "flush_rows", "runs_max_wait_s", "timing_trace")}
+              if k not in ("resume", "recalibrate", "out", "skip", "flush_rows", "runs_max_wait_s", "timing_trace")}
     config["dtype"] = str(pair.target.dtype)
     config["grid_points"] = asdict(GRIDS[args.grid])
     config["recorded_max_k"] = RECORDED_MAX_K
@@ -415,6 +417,8 @@ def run(args) -> int:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
     if args.itl_target is not None and args.itl_target <= 0:
         raise ValueError(f"--itl-target must be positive, got {args.itl_target:g}")
+    if args.recalibrate and args.resume:
+        raise ValueError("--recalibrate cannot go with --resume: a resumed recording keeps the timings it began with")
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, itl_target_s=args.itl_target)
     pair, workload = load(args)
     run_policies(pair, args)  # a bad --runs-policies fails before any recording

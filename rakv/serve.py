@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_pair_arguments, run_cli
 from rakv.engine import RequestError
 from rakv.models import PairError
@@ -251,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="running requests' KV plus the prefix store "
                         f"(default: {defaults.memory_budget_bytes / 2**20:g} MiB)")
     p.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
+    p.add_argument("--recalibrate", action="store_true", help=RECALIBRATE_HELP)
     return p.parse_args(argv)
 
 
@@ -279,7 +281,7 @@ def build_engine(args: argparse.Namespace):
     from rakv.store_model import StoreConfig
 
     pair = load_pair(args.pair, None, args.max_context, args.draft_layers, args.linear_kernels, args.weights)
-    timings = load_or_calibrate(pair) if fixed_action(args.policy) is None else None
+    timings = load_or_calibrate(pair, refresh=args.recalibrate) if fixed_action(args.policy) is None else None
     policy = resolve_policy(args.policy, timings, ControllerConfig(store_drafter=not args.no_store_drafter),
                             pair.target_fingerprint, pair.draft_fingerprint, args.pair, args.strict)
     config = EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store))

@@ -212,6 +212,24 @@ def test_resume_refuses_changed_decision_inputs(trace, monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "config.decision_inputs.timings.lookup_s differs" in err
 
 
+def test_recalibrate_measures_the_timings_again_and_is_not_part_of_the_recording(tmp_path, monkeypatch):
+    """``--recalibrate`` asks for fresh timings; a recording resumed without it still
+    matches (the option is not in the trace's config)."""
+    calibrated, refreshes = rakv.calibrate.load_or_calibrate, []
+
+    def recalibrated(pair, refresh=False):
+        refreshes.append(refresh)
+        return calibrated(pair)
+
+    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", recalibrated)
+    out = tmp_path / "x"
+    argv = ["--workload", "fixture-chat", "--requests", "2", "--max-new-tokens", "4", "--skip", "ops", "runs",
+            "--out", str(out)]
+    assert main(argv + ["--recalibrate"]) == 0
+    assert refreshes == [True] and "recalibrate" not in load_trace(out).meta.config
+    assert main(argv + ["--resume"]) == 0 and refreshes == [True, False]
+
+
 def test_a_workload_line_may_carry_fields_it_does_not_use_with_one_warning(tmp_path):
     """Data sets carry an id, a source: such lines are read, their extra fields ignored,
     and one warning names them all."""
@@ -245,6 +263,7 @@ def test_bad_user_workload_is_one_line(tmp_path, capsys, lines, message):
     (["--workload", "nope"], "unknown workload"),
     (["--workload", "missing.jsonl"], "prompts file not found"),
     (["--pair", "nope-model"], "cannot load"),
+    (["--recalibrate", "--resume"], "--recalibrate cannot go with --resume"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
     assert main(argv + ["--out", str(tmp_path / "x")]) == 2
