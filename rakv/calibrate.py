@@ -138,8 +138,8 @@ def calibration_path(pair: ModelPair) -> Path:
     return cache_root() / "calibration" / f"v{CALIBRATION_VERSION}-{machine_id()}-{key}.json"
 
 
-RECALIBRATE_HELP = ("measure this machine's timings of the pair again first (the planners' prices and the ITL "
-                    "target's clock): a calibration cached on another day can price steps 10-40 %% off")
+RECALIBRATE_HELP = ("measure this machine's timings of the pair again first (what the planners price rounds and "
+                    "steps by): a calibration cached on another day can be 10-40 %% off")
 
 
 def load_or_calibrate(pair: ModelPair, refresh: bool = False) -> PairTimings:

@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_pair_arguments, run_cli
 from rakv.choices import fixed_action
 from rakv.controller import ControllerConfig
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="model dtype (default: float64 for tiny, float32 otherwise)")
     p.add_argument("--ngram-max", type=int, default=3, help="ngram drafter: longest n-gram searched (default: 3)")
     p.add_argument("--ngram-min", type=int, default=1, help="ngram drafter: shortest n-gram searched (default: 1)")
-    p.add_argument("--recalibrate", action="store_true", help="measure timing statistics again")
+    p.add_argument("--recalibrate", action="store_true", help=RECALIBRATE_HELP)
     return p.parse_args(argv)
 
 

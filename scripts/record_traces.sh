@@ -78,6 +78,10 @@ for entry in "${TRACES[@]}"; do
   partial="traces/.$name.partial"
   resume=()
   [ -d "$partial" ] && resume=(--resume)
+  # a fresh recording measures the pair's timings again first (one cached on another day
+  # priced served steps 47 % high: results, section 24); a resumed one keeps its own
+  fresh=()
+  [ ${#resume[@]} -eq 0 ] && fresh=(--recalibrate)
   echo "recording $name (core $CORE${resume:+, resumed}): python -m profiler.record $args" >&2
   loads="$(mktemp)"
   (while sleep 30; do cut -d' ' -f1 /proc/loadavg >> "$loads"; done) &
@@ -85,7 +89,7 @@ for entry in "${TRACES[@]}"; do
   start=$(date +%s)
   log="$(mktemp)"
   # shellcheck disable=SC2086  # $args is a list of words
-  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE" "$PY" -m profiler.record $args --out "$partial" "${resume[@]}" \
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE" "$PY" -m profiler.record $args --out "$partial" "${resume[@]}" "${fresh[@]}" \
     2> >(tee "$log" >&2)
   wall=$(($(date +%s) - start))
   kill "$sampler" 2>/dev/null || true
