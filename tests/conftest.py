@@ -64,3 +64,18 @@ def smollm2_pair():
     # fp32: the mode of the shipped SmolLM2 traces and policy these tests check against
     # (the default, auto, is whichever mode is fastest on the machine at hand)
     return load_pair("smollm2", max_context=SMOLLM2_MAX_CONTEXT, weights_mode="fp32")
+
+
+@pytest.fixture
+def calibration_refreshes(monkeypatch):
+    """The ``refresh`` of each call of ``rakv.calibrate.load_or_calibrate``, in order; the
+    calls get the cached timings."""
+    import rakv.calibrate
+    calibrated, refreshes = rakv.calibrate.load_or_calibrate, []
+
+    def spy(pair, refresh=False):
+        refreshes.append(refresh)
+        return calibrated(pair)
+
+    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", spy)
+    return refreshes

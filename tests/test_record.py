@@ -212,16 +212,10 @@ def test_resume_refuses_changed_decision_inputs(trace, monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "config.decision_inputs.timings.lookup_s differs" in err
 
 
-def test_recalibrate_measures_the_timings_again_and_is_not_part_of_the_recording(tmp_path, monkeypatch):
+def test_recalibrate_measures_the_timings_again_and_is_not_part_of_the_recording(tmp_path, calibration_refreshes):
     """``--recalibrate`` asks for fresh timings; a recording resumed without it still
     matches (the option is not in the trace's config)."""
-    calibrated, refreshes = rakv.calibrate.load_or_calibrate, []
-
-    def recalibrated(pair, refresh=False):
-        refreshes.append(refresh)
-        return calibrated(pair)
-
-    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", recalibrated)
+    refreshes = calibration_refreshes
     out = tmp_path / "x"
     argv = ["--workload", "fixture-chat", "--requests", "2", "--max-new-tokens", "4", "--skip", "ops", "runs",
             "--out", str(out)]

@@ -442,19 +442,11 @@ def test_defaults_serve_smollm2_on_localhost():
     assert (args.pair, args.host, args.port, args.api_key, args.policy) == ("smollm2", "127.0.0.1", 8000, None, "rakv")
 
 
-def test_recalibrate_measures_the_pairs_timings_again(monkeypatch):
-    import rakv.calibrate
+def test_recalibrate_measures_the_pairs_timings_again(calibration_refreshes):
     from rakv.serve import build_engine
-    calibrated, refreshes = rakv.calibrate.load_or_calibrate, []
-
-    def recalibrated(pair, refresh=False):
-        refreshes.append(refresh)
-        return calibrated(pair)
-
-    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", recalibrated)
     for argv in (["--pair", "tiny"], ["--pair", "tiny", "--recalibrate"]):
         build_engine(parse_args(argv))
-    assert refreshes == [False, True]
+    assert calibration_refreshes == [False, True]
 
 
 @pytest.mark.parametrize("argv, message", [
