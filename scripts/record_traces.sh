@@ -82,7 +82,7 @@ for entry in "${TRACES[@]}"; do
   # priced served steps 47 % high: results, section 24); a resumed one keeps its own
   fresh=()
   [ ${#resume[@]} -eq 0 ] && fresh=(--recalibrate)
-  echo "recording $name (core $CORE${resume:+, resumed}): python -m profiler.record $args" >&2
+  echo "recording $name (core $CORE${resume:+, resumed}): python -m profiler.record $args ${resume[*]}${fresh[*]}" >&2
   loads="$(mktemp)"
   (while sleep 30; do cut -d' ' -f1 /proc/loadavg >> "$loads"; done) &
   sampler=$!
@@ -102,7 +102,8 @@ for entry in "${TRACES[@]}"; do
   mv "$partial" "traces/$name"
   size="$(du -sh "traces/$name" | cut -f1)"
   [ -f traces/RECORDINGS.md ] || printf '| trace | command | wall | size | load average (1 min); noise guards | recorded |\n|---|---|---|---|---|---|\n' > traces/RECORDINGS.md
-  printf '| `%s` | `python -m profiler.record %s` | %s s | %s | %s | %s, %s |\n' "$name" "$args" "$wall" "$size" \
+  # the command a recording began with (a resumed one began with --recalibrate too)
+  printf '| `%s` | `python -m profiler.record %s --recalibrate` | %s s | %s | %s | %s, %s |\n' "$name" "$args" "$wall" "$size" \
     "$load" "$(date -u +%Y-%m-%d)" "$(git rev-parse --short HEAD 2>/dev/null || echo "a working tree")" >> traces/RECORDINGS.md
   echo "recorded $name in $wall s ($size, load $load)" >&2
 done
