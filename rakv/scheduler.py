@@ -48,6 +48,7 @@ from typing import Callable
 
 from rakv.drafters import DRAFT_MODEL
 from rakv.step_load import DECODE, PREFILL, VERIFY, StepLoad, deepen
+
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 
