@@ -126,13 +126,15 @@ def test_a_step_is_priced_as_its_rounds_are(timings):
 def test_the_price_bench_reads_recorded_steps(capsys):
     """bench.step_price: price over measured seconds of a shipped trace's recorded steps;
     chunks priced by the prefill's line sit nearer what they took than on the rows curve;
-    a missing trace is a one-line error."""
+    one request's steps by rows; a missing trace is a one-line error."""
     from bench.step_price import main as step_price
     trace = Path(__file__).resolve().parents[1] / "traces" / "qwen-coder-humaneval-serve"
     assert step_price(["--trace", str(trace), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert (row["num_plain"], row["num_chunk"]) == (2796, 146)
     assert 1.0 < row["chunk"] < row["chunk_on_rows_curve"]
+    # one request's steps by rows: a plain step, and prompt lookup's and the store drafter's rounds
+    assert [(b["rows"], b["num"]) for b in row["by_rows"]] == [(1, 793), (3, 43), (4, 80)]
     assert step_price(["--trace", "no-such-trace"]) == 1
     assert capsys.readouterr().err.strip() == "error: no-such-trace: no such trace directory"
 
