@@ -276,7 +276,9 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
 def test_full_run_side_by_side_with_check_json_and_plot(fake_server, tmp_path, capsys):
     texts = [p.text for p in load_prompts("general", 5, 0, 6)]
     exact = fake_server(token_ids=True)
-    batch_dependent = fake_server(differ=texts[2])
+    # streams long enough (6 chunks of 50 ms) that the five sent at once overlap even on a
+    # busy machine: at 4 ms a chunk, CI once saw the third arrive after the others had ended
+    batch_dependent = fake_server(differ=texts[2], delay_s=0.05)
     out = tmp_path / "out" / "serve.json"
     code = serve.main(["--server", f"exact={exact.url}", "--server", f"batchy={batch_dependent.url}",
                        "--num-prompts", "5", "--max-tokens", "6", "--request-rate", "inf,50", "--warmup", "1",
