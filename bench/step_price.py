@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| trace | 1 row | " + " | ".join(f"{n}" for n in range(2, 6)) + " |")
     print("|---" * 6 + "|")
     for r in rows:
-        cells = {b["rows"]: f"{1e3 * b['measured_s']:.1f} / {1e3 * b['priced_s']:.1f} ({b['num']})" for b in r["by_rows"]}
+        cells = {b["rows"]: f"{1e3 * b['measured_s']:.1f} / {1e3 * b['priced_s']:.1f} ({b['num']})"
+                 for b in r["by_rows"]}
         print(f"| {r['trace']} | " + " | ".join(cells.get(n, "") for n in range(1, 6)) + " |")
     return 0
 
