@@ -87,12 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['trace']} | {r['num_plain']} | {r['plain']} | {r['num_chunk']} | {r['chunk']} | "
               f"{r['chunk_on_rows_curve']} |")
     print("\none request's steps without a draft model, by rows: median measured / priced ms (steps)\n")
-    print("| trace | 1 row | " + " | ".join(f"{n}" for n in range(2, 6)) + " |")
-    print("|---" * 6 + "|")
+    counts = sorted({b["rows"] for r in rows for b in r["by_rows"]})  # every row count some trace has
+    print("| trace \\ rows | " + " | ".join(str(n) for n in counts) + " |")
+    print("|---" * (len(counts) + 1) + "|")
     for r in rows:
         cells = {b["rows"]: f"{1e3 * b['measured_s']:.1f} / {1e3 * b['priced_s']:.1f} ({b['num']})"
                  for b in r["by_rows"]}
-        print(f"| {r['trace']} | " + " | ".join(cells.get(n, "") for n in range(1, 6)) + " |")
+        print(f"| {r['trace']} | " + " | ".join(cells.get(n, "") for n in counts) + " |")
     return 0
 
 
