@@ -135,14 +135,16 @@ class LearnedRounds(AdaptiveRounds):
         proposed = self._lengths[drafter].proposed[t]
         return min(self._max_k, proposed, self.shadow_length) if drafter == NGRAM else min(self._max_k, proposed)
 
-    def features(self, drafter: str, signal: int, t: int) -> list[float]:
+    def features(self, drafter: str, signal: int, t: int, longest: int | None = None) -> list[float]:
         """``ROUND_FEATURES`` of ``drafter`` at t (``extent``: prompt lookup's alone; the
-        store drafter's match length is in its signal's bucket)."""
+        store drafter's match length is in its signal's bucket). ``longest``: its
+        ``longest_round`` at t, where known."""
         h = self.history[drafter]
-        extents = cast(RunLengths, self._lengths[NGRAM]).extents if drafter == NGRAM else None
         draft = drafter == DRAFT_MODEL
-        return [signal, self.longest_round(drafter, t), extents[t] if extents is not None else 0, t,
-                self.num_new_tokens - t, self.estimate(drafter, signal), h.trials,
+        a = self.acceptance.get((drafter, signal))
+        return [signal, self.longest_round(drafter, t) if longest is None else longest,
+                cast(RunLengths, self._lengths[NGRAM]).extents[t] if drafter == NGRAM else 0, t,
+                self.num_new_tokens - t, self.estimate(drafter, signal) if a is None else a, h.trials,
                 h.successes / h.trials if h.trials else NONE, h.last_accepted, h.last_full,
                 t - h.last_t if h.last_t >= 0 else NONE, *h.recent, self.prompt_repeat,
                 self._draft_prob if draft else NONE, self.confidence if draft else NONE, self.token_prior(drafter, t)]
@@ -166,7 +168,8 @@ class LearnedRounds(AdaptiveRounds):
         bounds_s = load.pace_bounds_s if load is not None else ()
         best = self._plain
         for drafter in self.drafters:
-            top = longest_within(costs_s[drafter], self.longest_round(drafter, t), bounds_s)
+            longest = self.longest_round(drafter, t)
+            top = longest_within(costs_s[drafter], longest, bounds_s) if bounds_s else longest
             if not top:
                 continue  # nothing to propose, or even its shortest round would make the step too slow
             if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
@@ -175,7 +178,7 @@ class LearnedRounds(AdaptiveRounds):
                     continue  # nothing proposed: no round of it can gain
                 progress, costs = self._priced(drafter, signals[drafter], a, costs_s[drafter])
             else:
-                first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t))
+                first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t, longest))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)
                 cheapest = self._cheapest[drafter] if costs_s is self.costs_s else costs_s[drafter][1]
                 if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:

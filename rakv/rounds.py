@@ -192,7 +192,8 @@ class PlannedRounds:
         else:
             appended, made = 1, _PLAIN_STEP
         for shadow, proposed, runs in self._shadow_lists:
-            if proposed[t] and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing
-                checked = min(proposed[t], self._shadow_length, appended)
+            num_proposed = proposed[t]
+            if num_proposed and (k == 0 or shadow != drafter):  # an empty proposal teaches nothing
+                checked = min(num_proposed, self._shadow_length, appended)
                 self._observe(shadow, signals[shadow], checked, min(runs[t], checked))
         return made

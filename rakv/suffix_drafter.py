@@ -364,45 +364,41 @@ class SuffixColumns:
         if output is not None:  # a replay: the whole output is known, and every token with it
             self._output = np.asarray(output, dtype=np.int64).tolist()  # a list: runs compared at once
             drafter.extend(tokens, len(tokens))
-        self._looked: dict[int, tuple[list[int], int]] = {}  # t -> (proposal, signal)
-        self.signals = _Column(self._signal)
-        self.proposed = _Column(self._proposed)
-        self.runs = _Column(self._run) if output is not None else [0] * num_positions
+        # t -> (proposal, signal, its length, its run length: 0 where the output is not known)
+        self._looked: dict[int, tuple[list[int], int, int, int]] = {}
+        self.signals = _Column(self, 1)
+        self.proposed = _Column(self, 2)
+        self.runs = _Column(self, 3) if output is not None else [0] * num_positions
 
     def materialized(self) -> RunLengths:
         """Every position's run length, proposal length and signal, looked up now (those
         read before keep what they were); a replay's columns only (the output is known)."""
-        num = len(self._output)
-        return RunLengths([self._run(t) for t in range(num)], [self._proposed(t) for t in range(num)],
-                          [self._signal(t) for t in range(num)])
+        looked = [self.at(t) for t in range(len(self._output))]
+        return RunLengths([at[3] for at in looked], [at[2] for at in looked], [at[1] for at in looked])
 
-    def at(self, t: int) -> tuple[list[int], int]:
+    def at(self, t: int) -> tuple[list[int], int, int, int]:
+        """(the proposal at t, its signal, its length, its run length), looked up once."""
         looked = self._looked.get(t)
         if looked is None:
-            looked = self._looked[t] = self.drafter.lookup(self.tokens, self.num_prompt + t)
+            proposal, signal = self.drafter.lookup(self.tokens, self.num_prompt + t)
+            output = self._output
+            run = matching_prefix_length(proposal, output[t:t + len(proposal)]) if output is not None else 0
+            looked = self._looked[t] = (proposal, signal, len(proposal), run)
         return looked
 
     def proposal(self, t: int) -> list[int]:
         return self.at(t)[0]
 
-    def _signal(self, t: int) -> int:
-        return self.at(t)[1]
-
-    def _proposed(self, t: int) -> int:
-        return len(self.proposal(t))
-
-    def _run(self, t: int) -> int:
-        proposal = self.proposal(t)
-        return matching_prefix_length(proposal, self._output[t:t + len(proposal)])
-
 
 class _Column:
-    """A read-only sequence whose item t is computed on demand."""
+    """A read-only sequence: item t is field ``field`` of ``columns.at(t)`` (one call a
+    read: the planners read these on every iteration)."""
 
-    __slots__ = ("_at",)
+    __slots__ = ("_columns", "_looked", "_field")
 
-    def __init__(self, at):
-        self._at = at
+    def __init__(self, columns: SuffixColumns, field: int):
+        self._columns, self._looked, self._field = columns, columns._looked, field
 
     def __getitem__(self, t: int):
-        return self._at(t)
+        looked = self._looked.get(t)
+        return (looked if looked is not None else self._columns.at(t))[self._field]
