@@ -27,15 +27,25 @@ K_CHOICES = (0, 1, 2, 4, 6, 8)  # draft tokens per round of a fixed policy; 0: p
 DRAFT_KS = K_CHOICES[1:]
 PLAIN_NAMES = ("ar", "kv-only")  # the k = 0 policy under each r
 # Per drafter, in the order its choices are listed: the kind of its fixed policies under
-# each r (their names are "<kind>-k<k>")
-FIXED_KINDS = {DRAFT_MODEL: ("spec", "joint"), NGRAM: ("ngram", "joint-ngram")}
+# each r (their names are "<kind>-k<k>"). The store drafter's come last: a request-level
+# decision never picks it (the adaptive planner readies it beside prompt lookup,
+# ``readied_drafters``), but a fixed policy of it is the baseline the planners must beat
+# where requests repeat earlier ones.
+FIXED_KINDS = {DRAFT_MODEL: ("spec", "joint"), NGRAM: ("ngram", "joint-ngram"), SUFFIX: ("suffix", "joint-suffix")}
+DECIDED_DRAFTERS = (DRAFT_MODEL, NGRAM)  # those a request-level decision chooses among
 ADAPTIVE_NAME = "rakv"
 FIXED_POLICY_HELP = (", ".join(PLAIN_NAMES + tuple(f"{kind}-kN" for kinds in FIXED_KINDS.values() for kind in kinds))
                      + f" (N in {', '.join(map(str, DRAFT_KS))}), {ADAPTIVE_NAME}")
 
 
 def usable_drafters(draft_model: bool) -> tuple[str, ...]:
-    """The drafters a pair can run, in ``FIXED_KINDS`` order (the draft model needs one)."""
+    """The drafters a request-level decision chooses among that a pair can run, in
+    ``FIXED_KINDS`` order (the draft model needs one)."""
+    return tuple(d for d in DECIDED_DRAFTERS if draft_model or d != DRAFT_MODEL)
+
+
+def fixed_drafters(draft_model: bool) -> tuple[str, ...]:
+    """The drafters of the fixed policies a pair can run, in ``FIXED_KINDS`` order."""
     return tuple(d for d in FIXED_KINDS if draft_model or d != DRAFT_MODEL)
 
 
@@ -56,7 +66,7 @@ def fixed_policy_names(draft_model: bool = True) -> tuple[str, ...]:
     """Every fixed policy: ar, kv-only, then each kind (each drafter's under r = 0, then
     r = 1) and k; ``draft_model`` False leaves out those that need a draft model."""
     actions = tuple(Action(r, 0) for r in R_CHOICES) + tuple(
-        Action(r, k, d) for d in usable_drafters(draft_model) for r in R_CHOICES for k in DRAFT_KS)
+        Action(r, k, d) for d in fixed_drafters(draft_model) for r in R_CHOICES for k in DRAFT_KS)
     return tuple(fixed_policy_name(a) for a in actions)
 
 
@@ -67,7 +77,7 @@ def priced_actions(drafters: tuple[str, ...]) -> tuple[Action, ...]:
         Action(r, k, d) for d in drafters for k in DRAFT_KS for r in R_CHOICES)
 
 
-_BY_NAME = {fixed_policy_name(a): a for a in priced_actions(usable_drafters(True))}
+_BY_NAME = {fixed_policy_name(a): a for a in priced_actions(fixed_drafters(True))}
 
 
 def fixed_action(name: str) -> Action | None:

@@ -37,8 +37,8 @@ class Action:
             object.__setattr__(self, "drafter", DRAFT_MODEL)  # one k = 0 action, whoever asks
 
     def __str__(self) -> str:
-        if self.drafter == NGRAM:
-            return f"(r={self.r}, ngram k={self.k})"
+        if self.k and self.drafter != DRAFT_MODEL:
+            return f"(r={self.r}, {self.drafter} k={self.k})"
         return f"(r={self.r}, k={self.k})"
 
 

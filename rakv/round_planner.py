@@ -85,9 +85,10 @@ class FixedRounds:
         pass
 
     @property
-    def memo_key(self) -> tuple:
-        """Its rounds depend on the request alone: a replay computes them once per request."""
-        return (self.drafter, self.k)
+    def memo_key(self) -> tuple | None:
+        """Its rounds depend on the request alone, so a replay computes them once per
+        request; not the store drafter's, whose proposals depend on the store."""
+        return None if self.drafter == SUFFIX else (self.drafter, self.k)
 
     def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
         return self.drafter, self.k

@@ -13,6 +13,7 @@ import pytest
 
 from profiler.record import main as record
 from profiler.trace_io import read_table
+from rakv.choices import fixed_policy_names
 from simulator.costs import fit_op_costs
 from simulator.crossover import break_even
 from simulator.replay import main as replay_main
@@ -97,7 +98,7 @@ def test_table_and_plots(trace, capsys, tmp_path):
 def test_validate_reports_exact_rounds_and_fidelity(trace, capsys):
     fidelity = validate(trace)
     assert fidelity.split == "leave one request out" and fidelity.first_mismatch is None
-    assert len(fidelity.policies) == 23
+    assert set(fidelity.policies) == {*fixed_policy_names(), "rakv"}  # the store drafter's fixed policies too
     assert all(p.round_mismatches == 0 and p.rounds_off_min_k_mt == 0 for p in fidelity.policies.values())
     assert sum(p.num_rounds for p in fidelity.policies.values()) > 100
     assert validate_main(["--trace", str(trace), "--json"]) == 0
