@@ -7,8 +7,10 @@ The one list of choices: ``R_CHOICES``, ``K_CHOICES`` and ``FIXED_KINDS`` below.
 policies' names and help, the analytic policy's actions (``rakv.controller``), the
 oracle's and the learned policy's choices (``simulator.oracle``, ``rakv.learned``) all
 derive from them: adding a k is a change to ``K_CHOICES``, adding a drafter a line in
-``FIXED_KINDS``. Each list keeps its own order (policy names group by kind, the choices by
-r), which traces, replays and the shipped learned policies' sidecars rely on.
+``FIXED_KINDS`` (its fixed policies) and, for a request-level decision to choose it, an
+entry in ``DECIDED_DRAFTERS``. Each list keeps its own order (policy names group by kind,
+the choices by r), which traces, replays and the shipped learned policies' sidecars rely
+on.
 
 An adaptive choice's planner starts from a ``rakv`` policy's running estimates, which the
 caller keeps.
