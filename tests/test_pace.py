@@ -131,10 +131,10 @@ def test_the_price_bench_reads_recorded_steps(capsys):
     trace = Path(__file__).resolve().parents[1] / "traces" / "qwen-coder-humaneval-serve"
     assert step_price(["--trace", str(trace), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
-    assert (row["num_plain"], row["num_chunk"]) == (2796, 146)
+    assert (row["num_plain"], row["num_chunk"]) == (2971, 146)
     assert 1.0 < row["chunk"] < row["chunk_on_rows_curve"]
-    # one request's steps by rows: a plain step, and prompt lookup's and the store drafter's rounds
-    assert [(b["rows"], b["num"]) for b in row["by_rows"]] == [(1, 793), (3, 43), (4, 80)]
+    # one request's steps by rows: a plain step, and rounds drafting 1-3 tokens
+    assert [(b["rows"], b["num"]) for b in row["by_rows"]] == [(1, 865), (2, 111), (3, 114), (4, 22)]
     assert step_price(["--trace", "no-such-trace"]) == 1
     assert capsys.readouterr().err.strip() == "error: no-such-trace: no such trace directory"
 
