@@ -31,10 +31,15 @@ class ReplayedRound(NamedTuple):  # a tuple: built on every replayed round, chea
     k: int
     num_proposed: int
     accepted: int
-    # False: a confidence stop fell past the first wrong token, where the draft ran on its
-    # own wrong prefix; num_proposed is then the teacher-forced probabilities' guess, and
-    # only num_proposed >= accepted + 2 is exact
-    proposed_exact: bool = True
+    # None: num_proposed is exact. Else a confidence stop fell past the tokens whose
+    # probabilities the trace holds as the engine computed them (those up to the first
+    # wrong one, and within the output): num_proposed is the teacher-forced probabilities'
+    # guess, and only num_proposed >= proposed_known is exact
+    proposed_known: int | None = None
+
+    @property
+    def proposed_exact(self) -> bool:
+        return self.proposed_known is None
 
 
 def with_store_drafter(lengths: Mapping[str, Columns], drafters: Sequence[str], store, namespace: str,
@@ -102,15 +107,19 @@ def _confident_round(t: int, k: int, run: int, top1_probs, threshold: float, num
         if top1_probs[t + j] < threshold:
             stop = j + 1
             break
-    return ReplayedRound(t, DRAFT_MODEL, k, stop, min(stop, run), stop <= run + 1)
+    # the tokens whose probabilities are the engine's: up to the first wrong one, within the
+    # output; the draft went on past every one of them it was sure of
+    sure = min(run + 1, num_output - t)
+    exact = stop <= sure or k <= sure + 1
+    return ReplayedRound(t, DRAFT_MODEL, k, stop, min(stop, run), None if exact else sure + 1)
 
 
 def comparable_rounds(recorded: Sequence[tuple], replayed: Sequence[ReplayedRound]) -> tuple[list, list]:
     """Recorded rounds (start, drafter, k, proposed, accepted) and replayed ones as lists
     that are equal exactly when the replay reproduces the recording: where the replay
-    knows only that a confidence-stopped proposal ran past its first wrong token
-    (``proposed_exact`` False), both proposed counts are cut to accepted + 2."""
-    cut = {i for i, r in enumerate(replayed) if not r.proposed_exact}
+    knows only that a confidence-stopped proposal ran past its first wrong token or the
+    output's end (``proposed_known`` given), both proposed counts are cut to it."""
+    cut = {i: r.proposed_known for i, r in enumerate(replayed) if not r.proposed_exact}
     def rows(rounds):
-        return [(*r[:3], min(r[3], r[4] + 2) if i in cut else r[3], r[4]) for i, r in enumerate(rounds)]
+        return [(*r[:3], min(r[3], cut[i]) if i in cut else r[3], r[4]) for i, r in enumerate(rounds)]
     return rows([tuple(r) for r in recorded]), rows([tuple(r[:5]) for r in replayed])

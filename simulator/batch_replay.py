@@ -38,8 +38,8 @@ from simulator.trace import RecordedRequest
 class ReplayedStep:
     """A step as replayed: its composition; ``row_cuts``, per work, None where its rows are
     exact, else the count they are exact up to: a draft-model round stopped on confidence
-    past its first wrong token, where the trace knows only that it proposed at least
-    accepted + 2 (``ReplayedRound.proposed_exact``); the requests that got their first
+    past its first wrong token or the output's end, where the trace knows only that it
+    proposed at least ``ReplayedRound.proposed_known``; the requests that got their first
     token in it, and those it finished (with their output tokens); per work, the rows its
     draft model's cache lacked before a draft-model round (what the round's first draft
     forward feeds: ``step_costs.draft_rounds``), else 0."""
@@ -139,7 +139,7 @@ class BatchReplay:
         if work.kind != VERIFY:
             return None
         rnd = self._live[work.seq.request_id].pending[0]
-        return None if rnd.proposed_exact else rnd.accepted + 3  # the target's token and accepted + 2 proposed
+        return None if rnd.proposed_exact else rnd.proposed_known + 1  # the target's token and those proposed
 
     # -- a work --------------------------------------------------------------------
     def _propose(self, work: Work) -> None:

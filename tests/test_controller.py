@@ -324,3 +324,18 @@ def test_override_sets_any_setting_by_section_or_path_and_refuses_bad_ones():
                          ("min_gain", "SECTION.KEY=VALUE"), ("planner=1", "no such setting")):
         with pytest.raises(ValueError, match=message):
             override(Settings(), bad)
+
+
+def test_a_confidence_stop_is_exact_only_where_the_trace_holds_the_engines_probabilities():
+    """A replayed draft-model round that stops on confidence: exact where it stops at a
+    token up to the first wrong one and within the output; past either, only a floor."""
+    from rakv.acceptance import _confident_round
+    probs = [0.9, 0.9, 0.2, 0.9, 0.9, 0.1]  # per output position
+    stopped = _confident_round(0, 4, 3, probs, 0.5, 6)  # stops after position 2, before the first wrong (3)
+    assert (stopped.num_proposed, stopped.accepted, stopped.proposed_exact) == (3, 3, True)
+    guessed = _confident_round(3, 4, 0, probs, 0.5, 6)  # position 3 wrong: the stop at 5 is a guess
+    assert (guessed.num_proposed, guessed.accepted, guessed.proposed_known) == (3, 0, 2)
+    # two tokens left, both right: the draft's third token is past the output, its stop unknown
+    at_end = _confident_round(4, 4, 2, [0.9] * 6, 0.5, 6)
+    assert (at_end.num_proposed, at_end.accepted, at_end.proposed_known) == (4, 2, 3)
+    assert _confident_round(4, 3, 2, [0.9] * 6, 0.5, 6).proposed_exact  # k = 3: proposes all 3
