@@ -22,6 +22,10 @@ Four Parquet tables (DESIGN.md section 3):
   decode, verify) and rows, its context before the step, its round's drafter and k, and the
   step's seconds (the draft's proposals, the target's forward, all of its works).
 
+Beside the tables, ``policies/NAME/`` holds a copy of each learned policy a recording
+served (``policy_copy_dir``), so that its replays decide with the files it ran after the
+shipped policy is trained again.
+
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``
 (``TraceMeta``); from 1.2, ``rakv.config`` holds under ``decision_inputs`` the
@@ -39,8 +43,10 @@ as tuples, so rows compare equal after a round trip.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -55,6 +61,7 @@ from rakv.op_timing import OP_KEY_FIELDS, OpRow
 # 1.4: the served and steps tables (serving under load); ops gained the optional
 # num_requests (batched forwards, op "batch"; 1 where a file lacks it).
 SCHEMA_VERSION = "1.4"
+POLICY_COPIES = "policies"  # a trace's sub-directory of the learned policies it served
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -491,3 +498,9 @@ class TraceMeta:
 def table_of(metadata: Mapping | None) -> str | None:
     """The ``rakv.table`` a file's key-value metadata names, or None."""
     return _text_metadata(metadata).get(META_TABLE)
+
+
+def policy_copy_dir(trace_dir: str | os.PathLike, policy_name: str) -> Path:
+    """Where a trace keeps its copy of the learned policy it served as ``policy_name``
+    (``learned``, ``learned=PATH``: one directory per name, its odd characters made ``_``)."""
+    return Path(trace_dir) / POLICY_COPIES / re.sub(r"[^A-Za-z0-9._-]", "_", policy_name)

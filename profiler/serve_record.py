@@ -8,7 +8,8 @@ from the workload seed's arrival stream, each submitted at the first step bounda
 it arrives, as a server's engine thread takes it). Each (load, policy) runs in a fresh
 engine with an empty store, after an untimed warm-up, on the requests the recording's
 requests table holds (their prompts, token caps and greedy outputs): every served output
-is checked against its greedy output (``identical_to_ar``).
+is checked against its greedy output (``identical_to_ar``). A learned policy is served
+from a copy in the trace (``pinned_policy``), which its replays read.
 
 Invariants: a (load, policy) is written whole, its steps before its requests, each table
 flushed at once; a resumed recording skips the (load, policy) pairs whose requests are
@@ -17,13 +18,15 @@ twice. Times are seconds from the load's start on ``time.perf_counter``.
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from profiler.arrivals import arrivals_s
-from profiler.schema import RequestRow, ServedRow, StepRow
+from profiler.schema import RequestRow, ServedRow, StepRow, policy_copy_dir
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,24 @@ def served_row(load: str, policy: str, request: RequestRow, result, arrival_s: f
         proposed_per_round=[r.num_proposed for r in rounds])
 
 
+def pinned_policy(trace_dir: Path, name: str, pair: str) -> str:
+    """The name to serve ``name`` by: a learned policy is copied into the trace first
+    (``profiler.schema.policy_copy_dir``; whole, then renamed into place, and a resumed
+    recording keeps the copy it began with) and served from the copy; any other name as
+    it is."""
+    from rakv.policies import LEARNED, policy_path
+    source = policy_path(name, pair)
+    if source is None:
+        return name
+    copy = policy_copy_dir(trace_dir, name)
+    if not copy.is_dir():
+        part = copy.with_name(copy.name + ".partial")
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(source, part)
+        part.rename(copy)
+    return f"{LEARNED}={copy}"
+
+
 def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, loads: list[Load],
                    policies: list[str], seed: int, progress) -> None:
     """Every load under every policy (a name ``rakv.policies.resolve_policy`` takes: fixed,
@@ -115,8 +136,8 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
     written_steps = writer.existing_keys("steps")
 
     def engine_for(name: str) -> BatchEngine:
-        policy = resolve_policy(name, inputs.timings, inputs.controller, pair.target_fingerprint,
-                                pair.draft_fingerprint, pair.name)
+        policy = resolve_policy(pinned_policy(writer.trace_dir, name, pair.name), inputs.timings, inputs.controller,
+                                pair.target_fingerprint, pair.draft_fingerprint, pair.name)
         return BatchEngine(pair, policy, inputs.engine, batch, timings=inputs.timings)
     todo = [(load, name) for load in loads for name in policies if (load.label, name) not in done]
     if todo:  # warm-up, untimed: the first steps of a process pay for lazy setup

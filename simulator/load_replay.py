@@ -199,7 +199,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.itl_target)
+                            args.max_num_batched_tokens, args.itl_target, args.as_recorded)
     results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo)
     if args.json:
         for r in results:

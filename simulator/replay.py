@@ -243,7 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true",
                    help="a learned policy trained for other models is an error, not a fallback to rakv")
     p.add_argument("--as-recorded", action="store_true",
-                   help="decide with the settings the trace was recorded with (default: today's engine defaults)")
+                   help="decide with the settings the trace was recorded with, and under load with the learned "
+                        "policy files it served (default: today's engine defaults and shipped policies)")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="change one setting, e.g. planner.min_gain=0.2 or store.mode=prompt (sections: "
                         f"{', '.join(SECTIONS)}); repeatable, applied after --settings")

@@ -149,18 +149,23 @@ def replayed_draft_rows(trace: Trace, keys) -> dict[tuple[str, str], list[tuple[
 
 class ServingReplay:
     """A serving trace's loads, replayed as it recorded them (its requests, token cap,
-    batching limits, settings and arrival seed), or with any of those given instead."""
+    batching limits, settings, learned policy files and arrival seed), or with any of those
+    given instead."""
 
     def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
                  seed: int | None = None, strict: bool = False, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, itl_target_s: float | None = None):
+                 max_num_batched_tokens: int | None = None, itl_target_s: float | None = None,
+                 recorded_policies: bool | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
         (``simulator.schedule``, from ``seed``) instead of its first ``serve_requests``.
         The batching limits and the ITL target: the recording's where None (a target of 0:
-        none)."""
+        none). ``recorded_policies``: a learned policy the trace served decides with the
+        trace's copy of its files (``simulator.session.trace_policy``), not the shipped
+        one; None: where the settings are the recording's (``inputs`` None)."""
         config = trace.meta.config
         self.trace = trace
         self.inputs = trace.require_inputs() if inputs is None else inputs
+        self.recorded_policies = inputs is None if recorded_policies is None else recorded_policies
         if itl_target_s is None:
             itl_target_s = config.get("itl_target")  # recorded since the target was added; before, none
         self.batch = BatchConfig(int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
@@ -178,7 +183,7 @@ class ServingReplay:
         """An empty replay under ``policy``, or the policy of that name (a fresh one: a
         ``Policy`` given is carried on as it is, so give each replay its own)."""
         if isinstance(policy, str):
-            policy = trace_policy(policy, self.trace, self.inputs, self.strict)
+            policy = trace_policy(policy, self.trace, self.inputs, self.strict, self.recorded_policies)
         return BatchReplay(policy, self.inputs, self.batch, self.trace.target_namespace, self.trace.draft_namespace)
 
     def replay(self, load: str, policy_name: str, costs: StepCosts | None) -> LoadRun:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profiler.schema import RunRow
+from profiler.schema import RunRow, policy_copy_dir
 from rakv.acceptance import ReplayedRound, comparable_rounds, replay_request, with_store_drafter
 from rakv.choices import Choice
 from rakv.controller import Policy, RequestOutcome, make_policy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import DRAFT_MODEL, NGRAM, SUFFIX, RunLengths
-from rakv.policies import resolve_policy
+from rakv.policies import LEARNED, resolve_policy
 from rakv.settings import DecisionInputs
 from rakv.store_model import PrefixMatch, StoreModel, StoreOutcome
 from simulator.trace import RecordedRequest, Trace
@@ -160,10 +160,15 @@ def replayed_lengths(request: RecordedRequest, replayed: ReplayedRequest) -> dic
     return {**request.lengths, **store}
 
 
-def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool = False) -> Policy:
+def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool = False,
+                 recorded: bool = False) -> Policy:
     """The named policy for the trace's pair and models, resolved as ``rakv.generate``
     resolves it (``rakv.policies``), calibrated and configured by ``inputs``; a learned
-    policy decides with its own controller settings."""
+    policy decides with its own controller settings. ``recorded``: a learned policy the
+    trace served is read from the trace's copy of it (``profiler.schema.policy_copy_dir``),
+    the files it ran, where the trace holds one."""
+    if recorded and policy_copy_dir(trace.path, name).is_dir():
+        name = f"{LEARNED}={policy_copy_dir(trace.path, name)}"
     return resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
                           trace.meta.models.get("pair"), strict)
 

@@ -112,6 +112,26 @@ def serving(tmp_path_factory):
     return out
 
 
+def test_a_served_learned_policy_is_kept_in_the_trace_and_replayed_from_it(trained, tmp_path):
+    """The recorder serves a learned policy from a copy in the trace; the replay of the
+    recording reads that copy, so its closed loop reproduces the recorded steps after the
+    policy it was copied from is gone (a shipped policy trained again)."""
+    from profiler.schema import policy_copy_dir
+    from simulator.serve_validate import validate_serving
+    policy_dir = tmp_path / "pol"
+    shutil.copytree(trained, policy_dir)
+    name = f"learned={policy_dir}"
+    out = tmp_path / "tiny-serve"
+    assert record(["--workload", "chat", "--max-new-tokens", "10", "--grid", "serving", "--skip", "runs",
+                   "--serve-requests", "6", "--serve-concurrency", "2", "--serve-policies", name,
+                   "--out", str(out)]) == 0
+    copy = policy_copy_dir(out, name)
+    assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in policy_dir.iterdir())
+    shutil.rmtree(policy_dir)
+    rows = [row for row in validate_serving(load_trace(out)) if row.steps is not None]
+    assert rows and all(row.steps.first_difference is None for row in rows)
+
+
 def test_tuning_under_load_scores_a_rate_sweep(trace, serving, tmp_path, capsys):
     """With --serve-trace, each trial is also scored by the goodput it serves over a rate
     sweep, replayed as simulator.replay replays it; the export reports the sweep."""
