@@ -36,6 +36,7 @@ from rakv.drafters import DRAFT_MODEL
 from rakv.learned import LearnedPolicy, PolicyFile
 from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior
 from rakv.settings import DecisionInputs
+from rakv.suffix_drafter import SUFFIX
 from simulator.session import Session, replayed_lengths
 from simulator.trace import Trace
 
@@ -121,17 +122,27 @@ class ReadyingAll:
 
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
-            model: RoundModel | None = None) -> dict[str, DrafterRows]:
-    """Per drafter, the decision points of every request of ``trace`` (see the module docstring)."""
+            model: RoundModel | None = None, repeat: bool = False) -> dict[str, DrafterRows]:
+    """Per drafter, the decision points of every request of ``trace`` (see the module
+    docstring). ``repeat``: the requests are then walked a second time through the same
+    store, and the store drafter's decision points of that pass are kept too: its rounds
+    where a request repeats an earlier one, as a served workload's repeats find the store
+    (the other drafters' run lengths do not depend on the store, so their rows of that pass
+    would only count each request twice)."""
     policy = ReadyingAll(inputs, controller, draft_prior, model)
     session = Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
     found: dict[str, list] = {}
-    for request in trace.requests:
+    passes = [(request, None) for request in trace.requests]
+    if repeat:
+        passes += [(request, SUFFIX) for request in trace.requests]
+    for request, only in passes:
         replayed = session.run(request, request.max_new_tokens)
         planner, log = policy.logs[-1]
         lengths_of = replayed_lengths(request, replayed)
         family, n = request.group_id, len(request.prompt_ids)
         for t, drafter, row in log:
+            if only is not None and drafter != only:
+                continue
             cap = planner.longest_round(drafter, t)
             found.setdefault(drafter, []).append((row, min(lengths_of[drafter].runs[t], cap), cap, family,
                                                   int(request.token_ids[n + t - 1])))

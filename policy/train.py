@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<out>.optuna.db)")
     p.add_argument("--study", default=None, help="study name (default: the --out directory's name)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the trees and the sampler (default: 0)")
+    p.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
+                   help="also learn the store drafter where a request repeats an earlier one, as served workloads "
+                        "and resampled sweeps do: each trace's requests are walked a second time through the same "
+                        "store (policy.round_data.collect; default: on)")
     p.add_argument("--worker", type=int, default=0, help="this worker's number: its sampler seed is seed + worker")
     p.add_argument("--no-export", action="store_true", help="tune only (a worker beside another that exports)")
     load = p.add_argument_group("under load (serving traces: profiler.record --grid serving --serve-rate)")
@@ -104,7 +108,7 @@ class Data:
     """The traces, their timings and today's decision inputs; the family split; the
     decision points of the first pass (the analytic planner's)."""
 
-    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int):
+    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int, repeat: bool = False):
         self.sources = []
         for path in paths:
             trace = load_trace(path)
@@ -119,7 +123,7 @@ class Data:
             for r in trace.requests:
                 counts[r.group_id] = counts.get(r.group_id, 0) + 1
         self.split = split_families(counts, seed)
-        self.seed = seed
+        self.seed, self.repeat = seed, repeat
         self._first_pass: dict[tuple, dict[str, DrafterRows]] = {}
         draft_rows = self.rows(None, ("train",), ControllerConfig(), 0.5).get("draft")
         self.draft_prior = draft_acceptance(draft_rows) if draft_rows is not None else 0.5
@@ -136,7 +140,8 @@ class Data:
             return self._first_pass[key]
         families, found = self.families(*splits), {}
         for trace, _, inputs in self.sources:
-            for drafter, rows in collect(subset(trace, families), inputs, controller, draft_prior, model).items():
+            for drafter, rows in collect(subset(trace, families), inputs, controller, draft_prior, model,
+                                          self.repeat).items():
                 found.setdefault(drafter, []).append(rows)
         rows = {d: DrafterRows.concat(parts) for d, parts in found.items()}
         if model is None:
@@ -351,6 +356,7 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
         "models": [{"target": t.target_namespace, "draft": t.draft_namespace} for t in traces],
         "controller": settings_to_json(controller), "metrics": report,
         "split": {"seed": data.seed, "by": "prefix family", "traces": [t.path.name for t in traces],
+                  "repeat": data.repeat,
                   "test_families": sorted(test)}})
     return report
 
@@ -359,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
     start = time.perf_counter()
-    data = Data(args.trace, args.timing, args.seed)
+    data = Data(args.trace, args.timing, args.seed, args.repeat)
     sweeps = load_sweeps(args, data.sources[0][0].meta.models.get("pair"))
     storage = args.storage or f"sqlite:///{args.out.parent.resolve() / (args.out.name + '.optuna.db')}"
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,24 @@ def test_round_rows_label_every_decision_point_and_families_stay_together(trace)
     assert set(split.values()) == {"train", "validation", "test"} and set(split) == set(counts)
 
 
+def test_the_repeat_pass_adds_the_store_drafters_rounds_on_repeated_requests(trace):
+    """``collect(repeat=True)`` walks the requests again through the same store: the first
+    pass's rows are unchanged, the store drafter's rows of the second pass are added (each
+    request's answer is in the store by then, so every round there accepts), and no other
+    drafter's (their run lengths do not depend on the store)."""
+    loaded = load_trace(trace)
+    inputs = load_timing(None, loaded).decision_inputs(loaded, Settings())
+    once = collect(loaded, inputs, ControllerConfig(), 0.5)
+    twice = collect(loaded, inputs, ControllerConfig(), 0.5, repeat=True)
+    for drafter in ("draft", "ngram"):
+        assert np.array_equal(twice[drafter].x, once[drafter].x) and np.array_equal(twice[drafter].run,
+                                                                                    once[drafter].run)
+    first, both = once["suffix"], twice["suffix"]
+    n = len(first.run)
+    assert np.array_equal(both.x[:n], first.x) and np.array_equal(both.run[:n], first.run)
+    assert len(both.run) > 2 * n and np.all(both.run[n:] >= 1) and both.run[n:].mean() > 2 * first.run.mean()
+
+
 def test_export_is_text_and_json_and_compiled_as_lightgbm_predicts(trained, trace):
     sidecar = json.loads((trained / "policy.json").read_text())
     for key in ("features", "heads", "draft_prior", "schema_version", "hardware", "models", "controller", "metrics",
