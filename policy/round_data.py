@@ -10,7 +10,9 @@ planner visits: the second pass of training). The label is exact, from the run l
 m_t, capped where a round could see no further (the planner's max_k; a model-free
 drafter's proposal length). The store drafter's run lengths are not in the trace (they
 depend on what the store holds): the replay looks them up over its store, as it replays
-that drafter's rounds.
+that drafter's rounds. No recorded trace repeats a request, and served workloads do:
+``collect(repeat=True)`` walks the requests a second time through the same store, for
+the store drafter's rounds on a stored answer (``policy.train --repeat``, the default).
 
 ``token_prior`` is made from the labels: a first pass logs none, ``token_prior`` makes the
 table from the training rows, and ``DrafterRows.with_token_prior`` fills the column in.

@@ -108,7 +108,7 @@ class Data:
     """The traces, their timings and today's decision inputs; the family split; the
     decision points of the first pass (the analytic planner's)."""
 
-    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int, repeat: bool = False):
+    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int, repeat: bool = True):
         self.sources = []
         for path in paths:
             trace = load_trace(path)

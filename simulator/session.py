@@ -167,8 +167,9 @@ def trace_policy(name: str, trace: Trace, inputs: DecisionInputs, strict: bool =
     policy decides with its own controller settings. ``recorded``: a learned policy the
     trace served is read from the trace's copy of it (``profiler.schema.policy_copy_dir``),
     the files it ran, where the trace holds one."""
-    if recorded and policy_copy_dir(trace.path, name).is_dir():
-        name = f"{LEARNED}={policy_copy_dir(trace.path, name)}"
+    copy = policy_copy_dir(trace.path, name)
+    if recorded and copy.is_dir():
+        name = f"{LEARNED}={copy}"
     return resolve_policy(name, inputs.timings, inputs.controller, trace.target_namespace, trace.draft_namespace,
                           trace.meta.models.get("pair"), strict)
 
