@@ -185,3 +185,15 @@ def test_a_trace_without_steps_is_a_one_line_error(capsys):
     assert serve_validate.main(["--trace", str(TRACES / "smollm2-chat")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no steps table" in err and len(err.strip().splitlines()) == 1
+
+
+def test_loads_that_ran_the_same_steps_are_set_side_by_side():
+    """The retrained policy drafted nothing at 4 and 8 in flight: its steps there are
+    kv-only's, step for step, and their measured seconds are the machine's spread."""
+    steps = serve_validate.recorded_table(load_trace(TRACES / "qwen-coder-chat-serve-learned"), "steps")
+    same = {(s.load, s.policies): s for s in serve_validate.same_steps(steps)}
+    assert set(same) == {("c=4", ("kv-only", "learned")), ("c=8", ("kv-only", "learned"))}
+    c8 = same["c=8", ("kv-only", "learned")]
+    assert c8.num_steps == len(steps["c=8", "learned"]) == 97
+    assert c8.seconds == tuple(sum(r.seconds for r in steps["c=8", policy]) for policy in ("kv-only", "learned"))
+    assert c8.apart == pytest.approx(c8.seconds[1] / c8.seconds[0] - 1) and c8.apart < -0.05
