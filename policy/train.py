@@ -5,7 +5,8 @@
     python -m policy.train ... --storage postgresql+psycopg://postgres@/optuna?host=/tmp/pg --study shared
 
 The decision points of every request are labelled with each drafter's run length
-(``policy.round_data``); families are split train / validation / test, and the test
+(``policy.round_data``; with ``--repeat``, the default, the store drafter's also where a
+request repeats an earlier one); families are split train / validation / test, and the test
 families never reach fitting or tuning. Per drafter two LightGBM heads are fitted: P(m >= 1)
 and P(m >= j + 1 | m >= j) (``rakv.learned_rounds``). Optuna (seeded TPE, median pruning)
 tunes the trees and the planner's margin and confidence threshold (``planner.min_gain``,
