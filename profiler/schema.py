@@ -61,13 +61,13 @@ from rakv.op_timing import OP_KEY_FIELDS, OpRow
 # 1.4: the served and steps tables (serving under load); ops gained the optional
 # num_requests (batched forwards, op "batch"; 1 where a file lacks it).
 SCHEMA_VERSION = "1.4"
-POLICY_COPIES = "policies"  # a trace's sub-directory of the learned policies it served
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
 META_HARDWARE = "rakv.hardware"
 META_MODELS = "rakv.models"
 META_CONFIG = "rakv.config"
+POLICY_COPIES = "policies"  # a trace's sub-directory of the learned policies it served
 
 
 class TraceError(ValueError):

@@ -127,14 +127,14 @@ class SameSteps:
 
 
 def same_steps(steps: dict[tuple[str, str], list[StepRow]]) -> list[SameSteps]:
-    """Every pair of (load, policy) at one load whose recorded steps ran the same works:
-    requests, kinds, rows, contexts and k (a plain step's drafter is only its planner's
-    label, so it is left out)."""
-    def works(rows: list[StepRow]) -> list[tuple]:
-        return [(r.request_ids, r.kinds, r.rows, r.num_cached, r.ks,
-                 tuple(d if k else "" for d, k in zip(r.drafters, r.ks))) for r in rows]
+    """Every pair of (load, policy) at one load whose recorded steps ran the same
+    compositions (a plain work's drafter is only its planner's label, so it is left out)."""
+    def composed(row: StepRow) -> Composition:
+        composition = Composition.of(row)
+        return replace(composition, drafters=tuple(d if k else "" for d, k in zip(composition.drafters,
+                                                                                   composition.ks)))
     keys = sorted(steps)
-    ran = {key: works(steps[key]) for key in keys}
+    ran = {key: [composed(row) for row in steps[key]] for key in keys}
     return [SameSteps(a[0], (a[1], b[1]), len(ran[a]), (sum(r.seconds for r in steps[a]),
                                                        sum(r.seconds for r in steps[b])))
             for i, a in enumerate(keys) for b in keys[i + 1:] if a[0] == b[0] and ran[a] == ran[b]]
