@@ -182,7 +182,9 @@ TABLES: dict[str, pa.Schema] = {
         ("load", pa.string()),
         ("policy", pa.string()),
         ("step", pa.int32()),  # 0-based, in order
-        ("start_s", pa.float64()),  # seconds from the load's start
+        # seconds from the load's start: the boundary before the step at which the requests
+        # that had arrived were submitted (recordings before 2026-12-06: just after them)
+        ("start_s", pa.float64()),
         # the works: proposals, forward, rounds and finishes; not the scheduling and admissions
         # before them (the next step's start_s minus this one's is the whole step)
         ("seconds", pa.float64()),

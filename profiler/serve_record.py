@@ -77,9 +77,10 @@ def serve_load(engine, requests: list[RequestRow], load: Load, policy_name: str,
             if not engine.has_work():
                 time.sleep(max(arrivals[pending[0]] - now, 0.0))  # idle until the next arrival
                 continue
-        step_start = time.perf_counter() - start
         events = engine.step()
-        steps.append(StepRow(load.label, policy_name, len(steps), step_start, **asdict(engine.last_step)))
+        # the step starts at the boundary its submissions were judged at: a replay admits
+        # those arrivals, and only those, before it
+        steps.append(StepRow(load.label, policy_name, len(steps), now, **asdict(engine.last_step)))
         for event in (e for e in events if e.finished):
             index, arrival_s, submitted_s = submitted[event.request_id]
             served.append(served_row(load.label, policy_name, requests[index], event.result, arrival_s, submitted_s))

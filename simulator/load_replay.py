@@ -4,8 +4,8 @@ batching engine's replay. Imports no torch.
 For every (load, policy) a fresh ``simulator.batch_replay.BatchReplay`` (the engine's own
 scheduler, store model and the policy, over the trace's facts) serves the requests on the
 modelled clock (``simulator.serve_sim.run_load``), each step priced by
-``simulator.step_costs`` with the overheads fitted on the trace's closed-loop recorded
-steps (``serve_validate.fit_serving_costs``).
+``simulator.step_costs`` with the overheads fitted on the trace's recorded steps
+(``serve_validate.fit_serving_costs``).
 
 - Loads (``profiler.serve_record.Load``): ``c=N``, a closed loop (N in flight, the next
   submitted when one finishes, in request order); ``rate=R``, an open loop at Poisson

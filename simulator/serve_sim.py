@@ -4,7 +4,8 @@ on a clock, each priced by ``simulator.step_costs``. Imports no torch.
 The loop is the engine's as ``profiler.serve_record`` drives it: before each step, the
 requests that have arrived are submitted (a closed loop ``c=N`` submits in request order
 while fewer than N are in flight; an open loop ``rate=R`` submits every request whose
-arrival time has passed, and idles to the next arrival when nothing runs); the step runs
+arrival time has passed, on the modelled clock or, replaying a recording step for step, by
+its recorded step starts, and idles to the next arrival when nothing runs); the step runs
 and the clock moves by its modelled seconds; a request's first token and its finish are
 at the end of the step that made them. Between steps the engine spent under a millisecond
 on the recorded traces (the scheduling and admissions), which is left out.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
 
 from simulator.batch_replay import BatchReplay
 from simulator.step_costs import StepCosts
@@ -43,14 +45,19 @@ class LoadRun:
 
 def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_tokens: int,
              costs: StepCosts | None, concurrency: int | None = None,
-             arrivals_s: list[float] | None = None) -> LoadRun:
+             arrivals_s: list[float] | None = None, step_starts_s: Sequence[float] | None = None) -> LoadRun:
     """``requests`` served by ``replay`` (fresh) at a fixed ``concurrency`` (closed loop)
     or at ``arrivals_s`` (open loop, one time per request); each step priced by ``costs``
-    (None: no clock, every time 0; a closed loop's steps do not depend on it)."""
+    (None: no clock, every time 0; a closed loop's steps do not depend on it).
+    ``step_starts_s``: an open loop's recorded steps' start times, its admission order:
+    before step n the requests that had arrived by the recorded step n's start are
+    submitted, whatever the modelled clock says, so the recorded steps are the replay's
+    (past them, the modelled clock admits)."""
     if (concurrency is None) == (arrivals_s is None):
         raise ValueError("give a concurrency or arrival times, not both")
-    if arrivals_s is not None and costs is None:
-        raise ValueError("an open loop needs step costs: its arrivals meet the steps in time")
+    if arrivals_s is not None and costs is None and step_starts_s is None:
+        raise ValueError("an open loop needs step costs or the recorded step starts: its arrivals meet the steps "
+                         "in time")
     pending = deque(range(len(requests)))
     index_of: dict[int, int] = {}  # the replay's request id -> index in requests
     arrival: dict[int, float] = {}
@@ -67,12 +74,14 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
             while pending and len(arrival) - len(timed) < concurrency:
                 submit(pending.popleft(), clock)
         else:
-            while pending and arrivals_s[pending[0]] <= clock:
+            admit_s = (step_starts_s[len(steps)] if step_starts_s is not None and len(steps) < len(step_starts_s)
+                       else clock)
+            if not replay.has_work():  # idle until the next arrival
+                clock = max(clock, arrivals_s[pending[0]])
+                admit_s = max(admit_s, clock)
+            while pending and arrivals_s[pending[0]] <= admit_s:
                 index = pending.popleft()
                 submit(index, arrivals_s[index])
-            if not replay.has_work():
-                clock = arrivals_s[pending[0]]  # idle until the next arrival
-                continue
         step = replay.step()
         steps.append(step)
         if costs is not None:

@@ -1,12 +1,13 @@
 """``python -m simulator.serve_validate``: the batched replay against a serving trace.
 
 For every load (``c=N`` closed loop, ``rate=R`` open loop) and policy the trace recorded:
-- the steps (closed loops): the engine's own scheduler over the trace's facts
-  (``simulator.batch_replay``, driven as the recorder drove the engine:
+- the steps, in the recorded admission order: the engine's own scheduler over the trace's
+  facts (``simulator.batch_replay``, driven as the recorder drove the engine:
   ``simulator.serve_sim``) must reproduce every recorded step's composition, which
   requests ran, their kinds, rows, contexts, drafters and k. An open loop met its arrivals
-  in wall time, so its steps are not a function of the facts;
-- their times (closed loops, with the recorded compositions): each step priced by
+  in wall time, so its replay admits each arrival before the first step that the
+  recording started after it (the recorded step starts), not by the modelled clock;
+- their times (with the recorded compositions): each step priced by
   ``simulator.step_costs`` (the op grid's forwards, overheads fitted on recorded steps)
   against its measured seconds: the mean absolute percentage error per step, of its target
   forward and of its proposals, and the error of the load's whole time;
@@ -14,9 +15,8 @@ For every load (``c=N`` closed loop, ``rate=R`` open loop) and policy the trace 
   the recorded Poisson arrivals, against the served requests' measured p50 and p90 time to
   first token, inter-token latency (a request's mean after its first token) and end to end,
   and output tokens per second.
-The overheads are fitted on the closed loops' steps: "in sample" on all of them, "out of
-sample" on the other loads' only (leave one load out; an open loop is always out of
-sample). Imports no torch.
+The overheads are fitted on the loads' steps: "in sample" on all of them, "out of sample"
+on the other loads' only (leave one load out). Imports no torch.
 
 How close the replay can come is bounded by how well the machine repeats itself: with
 ``--again``, another recording of the same loads (the same arguments, recorded after) is
@@ -99,8 +99,8 @@ def compare_steps(rows: list[StepRow], replayed: list[ReplayedStep]) -> StepChec
 class LoadFidelity:
     load: str
     policy: str
-    steps: StepCheck | None  # None: an open loop
-    step_errors: StepErrors | None  # in sample; None: an open loop
+    steps: StepCheck  # in the recorded admission order
+    step_errors: StepErrors  # in sample, over the steps reproduced
     recorded: LoadLatencies  # the served requests as measured
     simulated: LoadLatencies  # free-running, overheads in sample
     simulated_out: LoadLatencies  # free-running, overheads fitted on the other loads
@@ -153,31 +153,34 @@ def num_within(got: LoadLatencies, want: LoadLatencies, tolerance: float = TOLER
 
 
 def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None,
-                      draft_rows: dict | None = None) -> StepCosts:
-    """Step costs from the trace's op grid, the overheads fitted on its closed loops'
-    recorded steps (``steps``: ``recorded_table(trace, "steps")``, read here when None),
-    all of them or all but load ``leave_out``'s, each with its draft catch-up rows
-    (``draft_rows``: ``replayed_draft_rows``, replayed here when None). A trace with the
-    serving grid but no closed-loop steps: the grid alone, no overhead."""
+                      replayed: dict | None = None) -> StepCosts:
+    """Step costs from the trace's op grid, the overheads fitted on its loads' recorded
+    steps (``steps``: ``recorded_table(trace, "steps")``, read here when None), all of
+    them or all but load ``leave_out``'s, each with its draft catch-up rows, which a
+    recorded step does not hold: its replay's (``replayed``: ``replayed_steps``, replayed
+    here when None; of a load that the replay did not reproduce, the steps before the
+    first difference). A trace with the serving grid but no steps: the grid alone, no
+    overhead."""
     if steps is None:
         try:
             steps = recorded_table(trace, "steps")
         except TraceError:
             steps = {}
-    keys = [key for key in steps if key[0].startswith("c=") and key[0] != leave_out]
-    if draft_rows is None:
-        draft_rows = replayed_draft_rows(trace, keys)
-    return fit_step_costs(trace.ops, [Composition.of(row) for key in keys for row in steps[key]],
-                          [row.seconds for key in keys for row in steps[key]],
-                          [rows for key in keys for rows in draft_rows[key]])
+    keys = [key for key in steps if key[0] != leave_out]
+    if replayed is None:
+        replayed = replayed_steps(trace, {key: steps[key] for key in keys})
+    fitted = [(row, step) for key in keys
+              for row, step in list(zip(steps[key], replayed[key]))[:compare_steps(steps[key], replayed[key]).num_equal]]
+    return fit_step_costs(trace.ops, [Composition.of(row) for row, _ in fitted], [row.seconds for row, _ in fitted],
+                          [step.draft_rows for _, step in fitted])
 
 
-def replayed_draft_rows(trace: Trace, keys) -> dict[tuple[str, str], list[tuple[int, ...]]]:
-    """Per closed-loop (load, policy), each step's draft catch-up rows, which a recorded
-    step does not hold: its replay's (``ReplayedStep.draft_rows``; the replay reproduces
-    the recorded steps, ``compare_steps``)."""
+def replayed_steps(trace: Trace, steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], list]:
+    """Per recorded (load, policy) of ``steps``, the replay's steps (``ReplayedStep``) in
+    the recorded admission order: a closed loop's own, an open loop's arrivals admitted
+    at its recorded steps' starts."""
     serving = ServingReplay(trace)
-    return {key: [step.draft_rows for step in serving.replay(*key, None).steps] for key in keys}
+    return {key: serving.replay(*key, None, [row.start_s for row in rows]).steps for key, rows in steps.items()}
 
 
 class ServingReplay:
@@ -219,21 +222,23 @@ class ServingReplay:
             policy = trace_policy(policy, self.trace, self.inputs, self.strict, self.recorded_policies)
         return BatchReplay(policy, self.inputs, self.batch, self.trace.target_namespace, self.trace.draft_namespace)
 
-    def replay(self, load: str, policy_name: str, costs: StepCosts | None) -> LoadRun:
+    def replay(self, load: str, policy_name: str, costs: StepCosts | None,
+               step_starts_s: Sequence[float] | None = None) -> LoadRun:
         """The ``load`` labelled ``c=N`` or ``rate=R`` (as ``profiler.serve_record.Load``)."""
         kind, value = load.split("=")
         return self.run(Load(concurrency=int(value)) if kind == "c" else Load(rate_per_s=float(value)),
-                        policy_name, costs)
+                        policy_name, costs, step_starts_s)
 
-    def run(self, load: Load, policy: str | Policy, costs: StepCosts | None) -> LoadRun:
+    def run(self, load: Load, policy: str | Policy, costs: StepCosts | None,
+            step_starts_s: Sequence[float] | None = None) -> LoadRun:
         """The requests under ``load`` and ``policy`` (``fresh``'s): a closed loop, or an
         open one at the seed's Poisson arrivals (``profiler.arrivals``, as the recorder drew
-        them)."""
+        them), admitted by the modelled clock or at ``step_starts_s`` (``run_load``'s)."""
         replay = self.fresh(policy)
         if load.concurrency is not None:
             return run_load(replay, self.requests, self.max_new, costs, concurrency=load.concurrency)
         arrivals = arrivals_s(len(self.requests), load.rate_per_s, self.seed)
-        return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals)
+        return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals, step_starts_s=step_starts_s)
 
 
 def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidelity]:
@@ -249,21 +254,20 @@ def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidel
             raise TraceError(f"{again.path}: no recording of {', '.join(missing)}: --again needs the same loads "
                              f"and policies")
     loads = ServingReplay(trace)
-    closed = [key for key in steps if key[0].startswith("c=")]
-    compositions = {key: [Composition.of(row) for row in rows] for key, rows in steps.items()}
-    draft_rows = replayed_draft_rows(trace, closed)
-    everything = fit_serving_costs(trace, steps, draft_rows=draft_rows)
-    load_names = sorted({load for load, _ in closed})
-    leave_out = {load: fit_serving_costs(trace, steps, load, draft_rows) if len(load_names) > 1 else everything
+    replayed = replayed_steps(trace, steps)
+    everything = fit_serving_costs(trace, steps, replayed=replayed)
+    load_names = sorted({load for load, _ in steps})
+    leave_out = {load: fit_serving_costs(trace, steps, load, replayed) if len(load_names) > 1 else everything
                  for load in load_names}
     results = []
     for (load, policy), rows in steps.items():
         recorded = load_latencies(served_times(served[load, policy]))
         run = loads.replay(load, policy, everything)
-        run_out = loads.replay(load, policy, leave_out.get(load, everything))
-        check = compare_steps(rows, run.steps) if (load, policy) in closed else None
-        errors = (step_errors(everything, compositions[load, policy], rows, draft_rows[load, policy])
-                  if check is not None else None)
+        run_out = loads.replay(load, policy, leave_out[load])
+        check = compare_steps(rows, replayed[load, policy])
+        reproduced = rows[:check.num_equal]
+        errors = step_errors(everything, [Composition.of(row) for row in reproduced], reproduced,
+                             [step.draft_rows for step in replayed[load, policy][:check.num_equal]])
         results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
                                     load_latencies(run_out.times()),
                                     load_latencies(served_times(served_again[load, policy])) if again else None))
@@ -272,6 +276,10 @@ def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidel
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
 
 
 def _error(got: float, want: float) -> str:
@@ -284,17 +292,17 @@ def _p50_p90_error(got: Percentiles, want: Percentiles) -> str:
 
 def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None,
              same: Sequence[SameSteps] = ()) -> str:
-    lines = [f"{trace.path.name}: the steps of each closed loop replayed through the engine's scheduler, and "
-             f"priced from the op grid (overheads fitted on the closed loops' steps)",
+    lines = [f"{trace.path.name}: the steps of each load replayed through the engine's scheduler in the recorded "
+             f"admission order (an open loop's arrivals at its recorded step starts), and priced from the op grid "
+             f"(overheads fitted on the loads' steps)",
              "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % "
              "| load's time error % |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
-        if row.steps is not None:
-            e = row.step_errors
-            lines.append(f"| {row.load} | {row.policy} | {row.steps.num_equal} of {row.steps.num_recorded} | "
-                         f"{_pct(e.step_mape)} | {_pct(e.forward_mape)} | {_pct(e.propose_mape)} | "
-                         f"{e.total_error:+.1f} |")
+        e = row.step_errors
+        lines.append(f"| {row.load} | {row.policy} | {row.steps.num_equal} of {row.steps.num_recorded} | "
+                     f"{_pct(e.step_mape)} | {_pct(e.forward_mape)} | {_pct(e.propose_mape)} | "
+                     f"{_signed(e.total_error)} |")
     lines += ["", "Free-running at the recorded load, against the served requests: error % of p50 / p90 "
                   "(out of sample: the overheads fitted on the other loads)",
               "| load | policy | TTFT | ITL | e2e | output tok/s | out of sample: TTFT | ITL | e2e | tok/s |",
@@ -328,7 +336,7 @@ def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None,
         lines += [f"| {s.load} | {s.policies[0]}, {s.policies[1]} | {s.num_steps} | {s.seconds[0]:.2f}, "
                   f"{s.seconds[1]:.2f} | {100 * s.apart:+.1f} |" for s in same]
     for row in rows:
-        if row.steps is not None and row.steps.first_difference is not None:
+        if row.steps.first_difference is not None:
             lines.append(f"{row.load} {row.policy}: {row.steps.first_difference}")
     return "\n".join(lines)
 
@@ -339,13 +347,13 @@ def run(args: argparse.Namespace) -> int:
     rows = validate_serving(trace, again)
     print(json.dumps([asdict(r) for r in rows]) if args.json
           else markdown(trace, rows, again, same_steps(recorded_table(trace, "steps"))))
-    return 1 if any(r.steps is not None and r.steps.first_difference is not None for r in rows) else 0
+    return 1 if any(r.steps.first_difference is not None for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m simulator.serve_validate",
-        description="Replay a serving trace's loads through the engine's own scheduler: every closed-loop "
+        description="Replay a serving trace's loads through the engine's own scheduler: every "
                     "step's composition against the recorded one (exit status 1 where one differs), each "
                     "step's modelled time against its measured seconds, and each load free-running against "
                     "its served requests' latencies and throughput.")

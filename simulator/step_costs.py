@@ -183,11 +183,11 @@ class StepErrors:
     """Mean absolute percentage errors over steps: the whole step, its target forward and
     its proposals (the steps with draft-model rounds), and the load's total time."""
 
-    num_steps: int
-    step_mape: float
-    forward_mape: float
-    propose_mape: float | None  # None: no step drafted with the draft model
-    total_error: float  # (modelled - recorded) / recorded, all steps' seconds summed
+    num_steps: int  # each figure None where there are none
+    step_mape: float | None
+    forward_mape: float | None
+    propose_mape: float | None  # None also where no step drafted with the draft model
+    total_error: float | None  # (modelled - recorded) / recorded, all steps' seconds summed
 
 
 def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence,
@@ -201,6 +201,7 @@ def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence,
     modelled = [costs.seconds(c, b) for c, b in zip(compositions, behind)]
     drafting = [(costs.propose_s(c, b), r.propose_s) for c, b, r in zip(compositions, behind, rows)
                 if draft_rounds(c)]
+    recorded_s = sum(r.seconds for r in rows)
     return StepErrors(len(rows), mape(zip(modelled, (r.seconds for r in rows))),
                       mape((costs.forward_s(c), r.forward_s) for c, r in zip(compositions, rows)),
-                      mape(drafting), 100.0 * (sum(modelled) / sum(r.seconds for r in rows) - 1.0))
+                      mape(drafting), 100.0 * (sum(modelled) / recorded_s - 1.0) if recorded_s > 0 else None)
