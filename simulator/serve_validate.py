@@ -241,10 +241,13 @@ class ServingReplay:
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals, step_starts_s=step_starts_s)
 
 
-def validate_serving(trace: Trace, again: Trace | None = None) -> list[LoadFidelity]:
+def validate_serving(trace: Trace, again: Trace | None = None,
+                     steps: dict[tuple[str, str], list[StepRow]] | None = None) -> list[LoadFidelity]:
     """Every recorded (load, policy) replayed; ``again``: another recording of the same
-    loads, each set beside this one's."""
-    steps = recorded_table(trace, "steps")
+    loads, each set beside this one's. ``steps``: ``recorded_table(trace, "steps")``, read
+    here when None."""
+    if steps is None:
+        steps = recorded_table(trace, "steps")
     served = recorded_table(trace, "served")
     served_again = {}
     if again is not None:
@@ -344,9 +347,9 @@ def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None,
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     again = load_trace(args.again) if args.again is not None else None
-    rows = validate_serving(trace, again)
-    print(json.dumps([asdict(r) for r in rows]) if args.json
-          else markdown(trace, rows, again, same_steps(recorded_table(trace, "steps"))))
+    steps = recorded_table(trace, "steps")
+    rows = validate_serving(trace, again, steps)
+    print(json.dumps([asdict(r) for r in rows]) if args.json else markdown(trace, rows, again, same_steps(steps)))
     return 1 if any(r.steps.first_difference is not None for r in rows) else 0
 
 
