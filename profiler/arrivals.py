@@ -1,13 +1,17 @@
-"""Poisson arrival times: the one generator of when requests arrive. Imports no torch.
+"""Poisson arrival times, and requests resampled with their prefix families: the one
+generator of which requests arrive and when. Imports no torch.
 
 The profiler's workloads (``profiler.workloads``, on their own arrival stream) and the
 simulator's schedules (``simulator.schedule``, on the generator that resampled the
 requests) both draw their arrivals here, so a recorded workload and a replayed one at the
-same rate and from the same generator state arrive at the same times.
+same rate and from the same generator state arrive at the same times. A serving
+recording's resampled requests (``profiler.record --serve-resample``) and a replay's
+(``--requests``) are drawn here alike, so the same seed draws the same requests.
 """
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -66,3 +70,29 @@ def loads_type(what: str, integer: bool):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{what}: ")) from None  # argparse names it
     return parse
+
+
+def resample_families(group_ids: Sequence[str], num_requests: int, rng: np.random.Generator) -> list[int]:
+    """Indices of ``num_requests`` requests resampled with their prefix families: whole
+    groups (a conversation, a prompt family; ``group_ids`` per request, a group's requests
+    in turn order) drawn with replacement until N are reached, the last cut short, and the
+    drawn groups' requests interleaved in a random order that keeps each group's turns in
+    order. A group drawn twice repeats its prompts, as a popular prompt does."""
+    groups: dict[str, list[int]] = {}
+    for index, group in enumerate(group_ids):
+        groups.setdefault(group, []).append(index)
+    families = list(groups.values())
+    drawn: list[list[int]] = []
+    total = 0
+    while total < num_requests:
+        family = families[int(rng.integers(len(families)))][: num_requests - total]
+        drawn.append(family)
+        total += len(family)
+    labels = np.repeat(np.arange(len(drawn)), [len(f) for f in drawn])
+    rng.shuffle(labels)
+    next_turn = [0] * len(drawn)
+    order = []
+    for g in labels.tolist():
+        order.append(drawn[g][next_turn[g]])
+        next_turn[g] += 1
+    return order

@@ -15,7 +15,8 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   its siblings say was slowed is timed again (``profiler.run_noise``);
 - decisions: the adaptive policy's decisions on that sample (``--policy rakv``);
 - served and steps: with ``--serve-concurrency`` or ``--serve-rate``, the batching engine
-  serving the first ``--serve-requests`` requests at each load under each
+  serving the first ``--serve-requests`` requests (or ``--serve-resample`` N of them
+  resampled with their prefix families, repeats and all) at each load under each
   ``--serve-policies`` policy: every request's times, preemptions, output and rounds,
   and every step's requests, kinds, rows and seconds (``profiler.serve_record``).
 
@@ -41,7 +42,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from profiler.arrivals import loads_type
+import numpy as np
+
+from profiler.arrivals import loads_type, resample_families
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import (EngineSnapshot, MachineSpeed, NoiseGuard, SlowRuns, forward_probe, mean_probe_s,
                                 median_attempt, priced_s)
@@ -110,6 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="comma-separated policies, each load served under each (default: ar,rakv)")
     serve.add_argument("--serve-requests", type=int, default=16,
                        help="the first N recorded requests, served at each load (default: 16)")
+    serve.add_argument("--serve-resample", type=int, default=None, metavar="N",
+                       help="serve N requests resampled from the recorded ones with their prefix families "
+                            "(whole conversations drawn with replacement, from --seed) instead of the first "
+                            "--serve-requests: a family drawn twice repeats its prompts, as popular prompts do; a "
+                            "replay draws the same N (default: none)")
     serve.add_argument("--max-num-seqs", type=int, default=BatchConfig.max_num_seqs,
                        help=f"requests running at once at most (default: {BatchConfig.max_num_seqs})")
     serve.add_argument("--max-num-batched-tokens", type=int, default=BatchConfig.max_num_batched_tokens,
@@ -415,6 +423,8 @@ def run(args) -> int:
             raise ValueError(f"--serve-policies: {exc}") from None
     if args.serve_requests < 1:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
+    if args.serve_resample is not None and args.serve_resample < 1:
+        raise ValueError(f"--serve-resample must be at least 1, got {args.serve_resample}")
     if args.itl_target is not None and args.itl_target <= 0:
         raise ValueError(f"--itl-target must be positive, got {args.itl_target:g}")
     if args.recalibrate and args.resume:
@@ -437,7 +447,10 @@ def run(args) -> int:
                 if timed else None
             record_runs(writer, pair, requests, inputs, args, progress, ops_pass)
         if loads:
-            served = sorted(requests.values(), key=lambda r: r.request_id)[:args.serve_requests]
+            recorded = sorted(requests.values(), key=lambda r: r.request_id)
+            served = (recorded[:args.serve_requests] if args.serve_resample is None else
+                      [recorded[i] for i in resample_families([r.group_id for r in recorded], args.serve_resample,
+                                                              np.random.default_rng(args.seed))])
             record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiler.arrivals import poisson_arrivals_s
+from profiler.arrivals import poisson_arrivals_s, resample_families
 from simulator.trace import RecordedRequest, Trace
 
 
@@ -30,13 +30,6 @@ class Arrival:
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built; the message is one line."""
-
-
-def _groups(trace: Trace) -> list[list[RecordedRequest]]:
-    groups: dict[str, list[RecordedRequest]] = {}
-    for request in trace.requests:
-        groups.setdefault(request.group_id, []).append(request)
-    return list(groups.values())
 
 
 def mean_rate_per_s(trace: Trace) -> float | None:
@@ -59,24 +52,8 @@ def schedule(trace: Trace, num_requests: int | None = None, arrival_rate_per_s: 
         if arrival_rate_per_s is None:
             return [Arrival(r.arrival_s, r) for r in requests]
     else:
-        requests = _resample(_groups(trace), num_requests, rng)
+        requests = [trace.requests[i]
+                    for i in resample_families([r.group_id for r in trace.requests], num_requests, rng)]
         if arrival_rate_per_s is None:
             arrival_rate_per_s = mean_rate_per_s(trace)
     return [Arrival(t, r) for t, r in zip(poisson_arrivals_s(len(requests), arrival_rate_per_s, rng), requests)]
-
-
-def _resample(groups: list[list[RecordedRequest]], num_requests: int, rng: np.random.Generator) -> list[RecordedRequest]:
-    drawn: list[list[RecordedRequest]] = []
-    total = 0
-    while total < num_requests:
-        group = groups[int(rng.integers(len(groups)))][: num_requests - total]
-        drawn.append(group)
-        total += len(group)
-    labels = np.repeat(np.arange(len(drawn)), [len(g) for g in drawn])
-    rng.shuffle(labels)
-    next_turn = [0] * len(drawn)
-    order = []
-    for g in labels.tolist():
-        order.append(drawn[g][next_turn[g]])
-        next_turn[g] += 1
-    return order

@@ -193,7 +193,8 @@ class ServingReplay:
                  max_num_batched_tokens: int | None = None, itl_target_s: float | None = None,
                  recorded_policies: bool | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
-        (``simulator.schedule``, from ``seed``) instead of its first ``serve_requests``.
+        (``simulator.schedule``, from ``seed``) instead of the ones it served (its first
+        ``serve_requests``, or the ``serve_resample`` it drew from its seed).
         The batching limits and the ITL target: the recording's where None (a target of 0:
         none). ``recorded_policies``: a learned policy the trace served decides with the
         trace's copy of its files (``simulator.session.trace_policy``), not the shipped
@@ -209,10 +210,16 @@ class ServingReplay:
                                      else max_num_batched_tokens),
                                  itl_target_s=float(itl_target_s) if itl_target_s else None)
         self.max_new = int(config["max_new_tokens"])
-        self.seed = int(config.get("seed") or 0) if seed is None else seed
-        self.requests: list[RecordedRequest] = (
-            list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))]) if num_requests is None
-            else [arrival.request for arrival in schedule(trace, num_requests, None, self.seed)])
+        recorded_seed = int(config.get("seed") or 0)
+        self.seed = recorded_seed if seed is None else seed
+        self.requests: list[RecordedRequest]
+        if num_requests is not None:
+            self.requests = [arrival.request for arrival in schedule(trace, num_requests, None, self.seed)]
+        elif config.get("serve_resample"):  # the requests the recording drew, from its seed
+            self.requests = [arrival.request for arrival in schedule(trace, int(config["serve_resample"]), None,
+                                                                     recorded_seed)]
+        else:
+            self.requests = list(trace.requests[:int(config.get("serve_requests") or len(trace.requests))])
         self.strict = strict
 
     def fresh(self, policy: str | Policy) -> BatchReplay:

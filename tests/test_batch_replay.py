@@ -201,3 +201,24 @@ def test_loads_that_ran_the_same_steps_are_set_side_by_side():
     assert c8.num_steps == len(steps["c=8", "learned"]) == 97
     assert c8.seconds == tuple(sum(r.seconds for r in steps["c=8", policy]) for policy in ("kv-only", "learned"))
     assert c8.apart == pytest.approx(c8.seconds[1] / c8.seconds[0] - 1) and c8.apart < -0.05
+
+
+def test_a_resampled_recording_serves_repeats_and_replays_them_step_for_step(tmp_path):
+    """``--serve-resample N``: N requests drawn with their prefix families from the
+    recording's seed, repeats and all; the replay draws the same N and reproduces every
+    step, and the store drafter drafts a repeat from the stored answer."""
+    out = tmp_path / "resampled"
+    assert record(["--pair", "tiny", "--workload", "fixture-chat", "--max-new-tokens", "12", "--grid", "serving",
+                   "--skip", "runs", "--serve-requests", "4", "--serve-resample", "10", "--serve-concurrency", "2",
+                   "--serve-rate", str(RATE), "--serve-policies", "ar,joint-suffix-k4", "--out", str(out)]) == 0
+    trace = load_trace(out)
+    served = serve_validate.recorded_table(trace, "served")
+    assert set(served) == {(load, p) for load in ("c=2", f"rate={RATE:g}") for p in ("ar", "joint-suffix-k4")}
+    ids = [row.request_id for row in served["c=2", "ar"]]
+    assert len(ids) == 10 and len(set(ids)) < 10  # a family drawn twice
+    replay = serve_validate.ServingReplay(trace)
+    assert sorted(r.request_id for r in replay.requests) == sorted(ids)
+    for row in serve_validate.validate_serving(trace):
+        assert row.steps.first_difference is None, (row.load, row.policy, row.steps.first_difference)
+    assert any(d == "suffix" and a > 0 for row in served["c=2", "joint-suffix-k4"]
+               for d, a in zip(row.drafter_per_round, row.accepted_per_round))
