@@ -169,8 +169,10 @@ def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | 
     keys = [key for key in steps if key[0] != leave_out]
     if replayed is None:
         replayed = replayed_steps(trace, {key: steps[key] for key in keys})
-    fitted = [(row, step) for key in keys
-              for row, step in list(zip(steps[key], replayed[key]))[:compare_steps(steps[key], replayed[key]).num_equal]]
+    fitted: list[tuple[StepRow, ReplayedStep]] = []
+    for key in keys:
+        num_equal = compare_steps(steps[key], replayed[key]).num_equal
+        fitted += zip(steps[key][:num_equal], replayed[key][:num_equal])
     return fit_step_costs(trace.ops, [Composition.of(row) for row, _ in fitted], [row.seconds for row, _ in fitted],
                           [step.draft_rows for _, step in fitted])
 
