@@ -8,7 +8,8 @@ Four tables go into ``--out`` (see ``profiler.schema``):
   insert, propose). With runs, the grid is timed in passes of one repeat each, spread
   across them (before the first run, between, after the last), so a point's median
   spans the conditions the runs were timed in: timed in one block, a slow few minutes of
-  a shared machine moved every op (a 16-token prefill 72 ms in the ops, 50 in the runs);
+  a shared machine moved every op (a 16-token prefill 72 ms in the ops, 50 in the runs).
+  Serving without runs, the passes are spread across the served loads alike;
 - runs: end-to-end runs of every policy on a sample of requests, in lockstep (each
   request under every policy before the next), each checked token for token against the
   greedy output; every run and op waits out a slow phase of the machine, and a run
@@ -264,11 +265,18 @@ def record_ops(writer: TraceWriter, pair, args, progress, repeats: range | None 
 
 
 def pass_starts(num_passes: int, num_rows: int) -> list[int]:
-    """Before which of ``num_rows`` runs' requests each ops pass goes (``num_rows``: after
-    the last), evenly from the first to after the last."""
+    """Before which of ``num_rows`` runs' requests (or served loads) each ops pass goes
+    (``num_rows``: after the last), evenly from the first to after the last."""
     if num_passes == 1:
         return [0]
     return [round(i * num_rows / (num_passes - 1)) for i in range(num_passes)]
+
+
+def passes_at(position: int, num_rows: int, num_passes: int, ops_pass: Callable[[int], None]) -> None:
+    """The ops passes that go before row ``position`` of ``num_rows`` (``pass_starts``)."""
+    for i, start in enumerate(pass_starts(num_passes, num_rows)):
+        if start == position:
+            ops_pass(i)
 
 
 def sample_requests(requests: dict[int, RequestRow], count: int) -> list[RequestRow]:
@@ -321,13 +329,11 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                for name in run_policies(pair, args)}
     bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
     num_repeated = 0
-    starts = pass_starts(GRIDS[args.grid].repeats, len(sample)) if ops_pass is not None else []
-
-    def passes_at(position: int) -> None:  # the ops passes that go before request ``position``
-        for i in (i for i, start in enumerate(starts) if start == position):
-            ops_pass(i, speed.wait)
+    def passes_before(position: int) -> None:
+        if ops_pass is not None:
+            passes_at(position, len(sample), GRIDS[args.grid].repeats, lambda i: ops_pass(i, speed.wait))
     for index, row in enumerate(sample):
-        passes_at(index)
+        passes_before(index)
         max_new = min(args.runs_max_new_tokens, row.max_new_tokens)
         prompt = list(row.prompt_ids)
         guarded = guard.max_attempts > 1 and any((row.request_id, name) not in done_runs for name in engines)
@@ -360,7 +366,7 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
             if decisions[name] is not None and (row.request_id, name) not in done_decisions:
                 writer.append("decisions", [decision_row(row.request_id, name, decisions[name], result)])
     bar.close()
-    passes_at(len(sample))  # after the last
+    passes_before(len(sample))  # after the last
     print(f"timed {num_repeated} of {len(sample) * len(engines)} runs again: their siblings said they were slowed; "
           f"{speed.summary()}", file=sys.stderr)
 
@@ -440,7 +446,7 @@ def run(args) -> int:
             requests = record_requests(writer, pair, workload, args, inputs, progress)
         with_runs = workload is not None and "runs" not in args.skip and "requests" not in args.skip
         timed = "ops" not in args.skip
-        if timed and not with_runs:
+        if timed and not with_runs and not loads:
             record_ops(writer, pair, args, progress)
         if with_runs:  # the ops' repeats in passes spread across the runs
             ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) \
@@ -451,7 +457,12 @@ def run(args) -> int:
             served = (recorded[:args.serve_requests] if args.serve_resample is None else
                       [recorded[i] for i in resample_families([r.group_id for r in recorded], args.serve_resample,
                                                               np.random.default_rng(args.seed))])
-            record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress)
+
+            def ops_before(position: int, num_loads: int) -> None:  # the ops' repeats spread across the loads
+                passes_at(position, num_loads, GRIDS[args.grid].repeats,
+                          lambda i: record_ops(writer, pair, args, progress, range(i, i + 1)))
+            record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress,
+                           ops_before if timed and not with_runs else None)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

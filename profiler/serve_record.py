@@ -24,6 +24,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from profiler.arrivals import arrivals_s
 from profiler.schema import RequestRow, ServedRow, StepRow, policy_copy_dir
@@ -124,12 +125,15 @@ def pinned_policy(trace_dir: Path, name: str, pair: str) -> str:
 
 
 def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, loads: list[Load],
-                   policies: list[str], seed: int, progress) -> None:
+                   policies: list[str], seed: int, progress,
+                   before_load: Callable[[int, int], None] | None = None) -> None:
     """Every load under every policy (a name ``rakv.policies.resolve_policy`` takes: fixed,
     ``rakv`` or learned), each in a fresh ``BatchEngine`` with
     ``batch`` (a ``BatchConfig``) and the recording's decision inputs; the (load, policy)
     pairs already written are skipped. A request whose served output differs from its
-    greedy output is reported on stderr (it would be a bug: batching never changes a token)."""
+    greedy output is reported on stderr (it would be a bug: batching never changes a token).
+    ``before_load(i, n)`` goes before the i-th of the n (load, policy) pairs to serve, and
+    once more after the last (i = n): the recorder's ops passes, spread across the loads."""
     from rakv.batch_engine import BatchEngine
     from rakv.policies import resolve_policy
 
@@ -143,7 +147,9 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
     todo = [(load, name) for load in loads for name in policies if (load.label, name) not in done]
     if todo:  # warm-up, untimed: the first steps of a process pay for lazy setup
         engine_for(policies[0]).run([(list(r.prompt_ids), min(r.max_new_tokens, 8)) for r in requests[:2]])
-    for load, name in todo:
+    for position, (load, name) in enumerate(todo):
+        if before_load is not None:
+            before_load(position, len(todo))
         bar = progress(total=len(requests), desc=f"served {load.label} {name}", unit="request")
         result = serve_load(engine_for(name), requests, load, name, seed, bar)
         bar.close()
@@ -155,3 +161,5 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
         if differ:
             print(f"warning: served {load.label} {name}: {differ} of {len(result.requests)} outputs differ from "
                   "their greedy outputs", file=sys.stderr)
+    if before_load is not None:
+        before_load(len(todo), len(todo))  # after the last

@@ -61,6 +61,7 @@ TRACES=(
   "qwen-coder-chat-serve-learned|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies kv-only,rakv,learned"
   "qwen-coder-chat-serve-learned-poisson|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-rate 0.4,0.6 --serve-policies kv-only,rakv,learned"
   "qwen-coder-chat-serve-amx|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies ar,kv-only,rakv,learned"
+  "qwen-coder-chat-serve-amx-again|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 1,2,4,8 --serve-policies ar,kv-only,rakv,learned"
   "qwen-coder-chat-serve-amx-knee|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.2,1.4 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-chat-serve-paced|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 8 --serve-rate 0.6 --serve-policies kv-only,rakv,learned --itl-target 0.15"
   "qwen-coder-code-repeat|--pair qwen-coder --workload code-repeat --requests 24 --max-new-tokens 96 --grid calibration --runs-sample 24 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"

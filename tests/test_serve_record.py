@@ -108,6 +108,29 @@ def test_an_interrupted_serving_recording_resumes_without_running_a_load_twice(t
     assert len(rows(out, "served")) == 4 * 6
 
 
+def test_the_grid_is_timed_in_passes_spread_across_the_loads(tmp_path, monkeypatch):
+    """Serving without runs, the op grid's repeats go in passes before the first load,
+    between the loads and after the last, so a point's median spans the machine the
+    loads ran on, not one block of minutes."""
+    import profiler.record
+    events, real_ops, real_load = [], profiler.record.record_ops, profiler.serve_record.serve_load
+
+    def ops(writer, pair, args, progress, repeats=None, *rest):
+        events.append(("ops", None if repeats is None else repeats.start))
+        return real_ops(writer, pair, args, progress, repeats, *rest)
+
+    def load(engine, requests, load, policy, *args, **kwargs):
+        events.append((load.label, policy))
+        return real_load(engine, requests, load, policy, *args, **kwargs)
+    monkeypatch.setattr(profiler.record, "record_ops", ops)
+    monkeypatch.setattr(profiler.serve_record, "serve_load", load)
+    out = tmp_path / "spread"
+    assert main(SERVE + ["--serve-concurrency", "1,2", "--out", str(out)]) == 0
+    assert events == [("ops", 0), ("c=1", "ar"), ("c=1", "rakv"), ("ops", 1), ("c=2", "ar"), ("c=2", "rakv"),
+                      ("ops", 2)]
+    assert sorted({r.repeat for r in rows(out, "ops")}) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--serve-concurrency", "0"], "--serve-concurrency: '0' must be a whole number >= 1"),
     (["--serve-rate", "fast"], "--serve-rate: 'fast' is not a number"),
