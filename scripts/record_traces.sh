@@ -19,7 +19,8 @@
 # target of 0.15 s; the -suffix traces serve kv-only and fixed k of the store drafter, its
 # crossover; chat's -learned trace serves kv-only, rakv and the shipped learned policy,
 # its -learned-poisson trace the same at 0.4 and 0.6 req/s; its -amx trace serves ar, kv-only,
-# rakv and learned at 1-8 in flight on an Intel Xeon's AMX path, how steady a second machine is;
+# rakv and learned at 1-8 in flight on an Intel Xeon's AMX path, how steady a second machine is
+# (-amx-again: the same again, its op grid timed in passes spread across the loads);
 # its -amx-knee trace 100 requests resampled with their conversations, repeats and all, at two
 # rates past that machine's knee under kv-only, joint-suffix-k8, rakv and learned),
 # and the op grid over batch shapes; a -serve-again trace is the
