@@ -329,7 +329,8 @@ def record_runs(writer: TraceWriter, pair, requests: dict[int, RequestRow], inpu
                for name in run_policies(pair, args)}
     bar = progress(total=len(sample) * len(engines), desc="runs", unit="run")
     num_repeated = 0
-    def passes_before(position: int) -> None:
+
+    def passes_before(position: int) -> None:  # the ops passes that go before request ``position``
         if ops_pass is not None:
             passes_at(position, len(sample), GRIDS[args.grid].repeats, lambda i: ops_pass(i, speed.wait))
     for index, row in enumerate(sample):
