@@ -447,7 +447,8 @@ def run(args) -> int:
             requests = record_requests(writer, pair, workload, args, inputs, progress)
         with_runs = workload is not None and "runs" not in args.skip and "requests" not in args.skip
         timed = "ops" not in args.skip
-        if timed and not with_runs and not loads:
+        grid_alone = timed and not with_runs  # not spread across runs: in one block, or across the loads
+        if grid_alone and not loads:
             record_ops(writer, pair, args, progress)
         if with_runs:  # the ops' repeats in passes spread across the runs
             ops_pass = (lambda i, wait: record_ops(writer, pair, args, progress, range(i, i + 1), wait)) \
@@ -463,7 +464,7 @@ def run(args) -> int:
                 passes_at(position, num_loads, GRIDS[args.grid].repeats,
                           lambda i: record_ops(writer, pair, args, progress, range(i, i + 1)))
             record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress,
-                           ops_before if timed and not with_runs else None)
+                           ops_before if grid_alone else None)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
