@@ -1,11 +1,10 @@
 """Which recorded requests a replay serves, and when they arrive. Imports no torch.
 
 - As recorded: the trace's requests in order, at their recorded arrival times.
-- ``num_requests``: the trace's requests resampled with their prefix families: whole
-  groups (a conversation, a prompt family) are drawn with replacement, seeded, until N
-  requests are reached (the last group cut short), and the drawn groups' requests are
-  interleaved in a seeded order that keeps each group's turns in order. A group drawn
-  twice repeats its prompts, as a popular prompt does: the store sees exact repeats.
+- ``num_requests``: the trace's requests resampled with their prefix families, whole
+  conversations drawn with replacement (``profiler.arrivals.resample_families``, the draw
+  a serving recording's ``--serve-resample`` makes too): a group drawn twice repeats its
+  prompts, as a popular prompt does, so the store sees exact repeats.
 - ``arrival_rate_per_s``: Poisson arrivals at that rate, in serving order
   (``profiler.arrivals``, drawn after the resampling from the same seeded generator);
   without it, a resampled workload takes the trace's own mean rate, or all requests at 0
