@@ -6,8 +6,10 @@ decode row or a speculation round's verification, and this module runs it: the d
 model's proposals for every round that drafts with it, batched the same way
 (``decoding.draft_propose_many``), prompt lookup per request, then one target forward
 over every request's rows (``decoding.forward_many``). A request's admission looks the
-store up and lets its policy decide, as ``Engine.generate`` does; its finish fills the
-store; its round planner is the one it would have alone.
+store up and lets its policy decide, as ``Engine.generate`` does; the end of its prefill
+keeps its prompt in the store (``StoreConfig.early_prompts``), so that requests arriving
+while it runs hit it, and its finish keeps the rest; its round planner is the one it
+would have alone.
 
 Invariant (batch invariance): every request's output ids are its own greedy output,
 whatever runs beside it, in whatever order requests arrive. It holds by construction: a
@@ -232,6 +234,9 @@ class BatchEngine(Engine):
         if work.kind == PREFILL:
             seq.num_computed += work.rows
             if logits is not None:  # the prompt's last chunk: the first token
+                if self.store.model.keeps_prompts_early():
+                    self.store.insert(self.pair.target_fingerprint, req.prompt, req.target_cache,
+                                      {seq.num_prompt: logits[0]}, in_use=True)
                 self._first_token(req, logits[0])
             return
         moves = req.moves

@@ -107,10 +107,11 @@ class KVStore:
         return cache
 
     def insert(self, namespace: str, token_ids: list[int], cache: DynamicCache,
-               logits_by_len: dict[int, torch.Tensor]) -> bool:
+               logits_by_len: dict[int, torch.Tensor], in_use: bool = False) -> bool:
         """Store the first len(token_ids) positions of ``cache`` with the given logits rows,
         as the store model plans it. Returns False if the entry alone exceeds the budget.
-        The caller must not use ``cache`` afterwards."""
+        The caller must not use ``cache`` afterwards, unless ``in_use``: then the entry
+        copies its positions (a running request's prompt, ``StoreModel.keep_prompt``)."""
         num = len(token_ids)
         if num == 0 or cache.get_seq_length() < num:
             raise ValueError(f"cache holds {cache.get_seq_length()} positions, cannot store {num}")
@@ -123,7 +124,8 @@ class KVStore:
             layers = base.layers
         else:
             start = time.perf_counter()
-            layers = tuple((owned(layer.keys[:, :, :num]), owned(layer.values[:, :, :num])) for layer in cache.layers)
+            own = (lambda t: t.clone(memory_format=torch.contiguous_format)) if in_use else owned
+            layers = tuple((own(layer.keys[:, :, :num]), own(layer.values[:, :, :num])) for layer in cache.layers)
             self.clone_s += time.perf_counter() - start
         logits = tuple((n, owned(logits_by_len[n].detach()) if n in logits_by_len else base.logits_at(n))
                        for n in plan.logits_lengths)

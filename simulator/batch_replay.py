@@ -8,8 +8,9 @@ as ``Engine.decide`` does); each step
 carries out the scheduler's works, a prefill chunk advancing the cached positions, a
 round proposing and accepting what the request's recorded run lengths say
 (``rakv.acceptance``'s ``RunLengthRounds``, the batch-1 replay's rounds), a plain step
-appending one token; a request that reaches its output's end leaves its entries in the
-store and its counts with its policy, in the engine's order. So every decision, every
+appending one token; a request whose prefill ends keeps its prompt in the store
+(``StoreModel.keep_prompt``), and one that reaches its output's end leaves its entries
+there and its counts with its policy, in the engine's order. So every decision, every
 step's composition (which requests, their kinds, rows, contexts, drafters and k) and every
 round are a function of the arrival order and the settings, as in the engine, and a
 closed-loop load (``c=N``: the next request submitted when one finishes, in request order,
@@ -161,6 +162,9 @@ class BatchReplay:
         if work.kind == PREFILL:
             seq.num_computed += work.rows
             if seq.num_computed == seq.prefill_end and t == 0:
+                if self.store.keeps_prompts_early():
+                    self.store.keep_prompt(live.recorded.token_ids[:seq.num_prompt],
+                                           (self.target_namespace, self.inputs.target_sizes))
                 self._first_token(live)
             return
         if work.kind == VERIFY:

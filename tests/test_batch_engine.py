@@ -11,8 +11,10 @@ from conftest import ALL_POLICIES, NEEDS_KERNELS, SMOLLM2_MAX_CONTEXT, policy_fo
 from rakv.batch_engine import BatchEngine
 from rakv.controller import make_policy
 from rakv.engine import Engine, RequestError
+from rakv.kv_store import KVStore
 from rakv.models import load_pair
 from rakv.scheduler import BatchConfig
+from rakv.store_model import StoreConfig
 from rakv.weights import INT4, INT8
 
 TEXTS = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
@@ -103,9 +105,10 @@ def test_tiny_outputs_equal_batch_1_under_random_schedules(tiny_pair):
     configs = configs_for(tiny_pair, prompts, 12)
     check_schedules(tiny_pair, prompts, ALL_POLICIES, 12, configs, seeds=(0, 1))
     # requests that ready the draft model hold the most memory: under the tight budget
-    # they preempt one another, whatever the mix above drew
+    # they preempt one another, whatever the mix above drew (on some orders a repeat hits
+    # its prompt, kept when the first one's prefill ended, and none has to: two orders)
     tight = [c for c in configs if c.memory_budget_bytes < BatchConfig().memory_budget_bytes]
-    assert check_schedules(tiny_pair, prompts, ("spec-k4", "joint-k8"), 12, tight, seeds=(0,)) > 0
+    assert check_schedules(tiny_pair, prompts, ("spec-k4", "joint-k8"), 12, tight, seeds=(0, 1)) > 0
 
 
 @NEEDS_KERNELS
@@ -143,18 +146,37 @@ def test_a_step_never_exceeds_its_row_budget_or_seats(tiny_pair):
         engine.run_works(works)
 
 
-def test_abort_frees_the_request_and_stores_nothing(tiny_pair):
+def test_abort_frees_the_request_and_stores_no_output(tiny_pair):
     engine = BatchEngine(tiny_pair, make_policy("ar"))
-    kept = engine.submit(tiny_pair.encode(TEXTS[0]), 6)
-    dropped = engine.submit(tiny_pair.encode(TEXTS[1]), 50)
-    engine.step()
+    kept, dropped_prompt = tiny_pair.encode(TEXTS[0]), tiny_pair.encode(TEXTS[1])
+    kept_id = engine.submit(kept, 6)
+    dropped = engine.submit(dropped_prompt, 50)
+    engine.step()  # both prompts prefilled: each kept as its prefill ended
     engine.abort(dropped)
     finished = []
     while engine.has_work():
         finished += [e.request_id for e in engine.step() if e.finished]
-    assert finished == [kept]
+    assert finished == [kept_id]
     assert engine.stats().num_running == 0
-    assert len(engine.store.index) == 1  # the kept request's sequence only
+    # the kept request's whole sequence, and the dropped one's prompt, nothing of its output
+    stored = sorted(len(entry.token_ids) for entry in engine.store.index.entries())
+    assert stored == sorted([len(dropped_prompt), len(kept) + 6 - 1])
+
+
+def test_a_repeat_hits_a_prompt_still_running(tiny_pair):
+    """A prompt is kept when its prefill ends: an exact repeat submitted while the first
+    still decodes reuses every position and prefills nothing."""
+    prompt = tiny_pair.encode(TEXTS[2])
+    for early, want in ((True, len(prompt)), (False, 0)):
+        store = KVStore(StoreConfig(early_prompts=early))
+        engine = BatchEngine(tiny_pair, make_policy("kv-only"), store=store)
+        first = engine.submit(prompt, 20)
+        engine.step()  # its prefill
+        repeat = engine.submit(prompt, 20)
+        results = {e.request_id: e.result for _ in iter(engine.has_work, False) for e in engine.step() if e.finished}
+        assert results[repeat].reused_tokens == want, early
+        assert results[repeat].output_ids == results[first].output_ids
+        assert results[first].reused_tokens == 0
 
 
 def test_requests_that_can_never_run_are_one_line_errors(tiny_pair):
