@@ -173,7 +173,9 @@ def test_a_repeat_hits_a_prompt_still_running(tiny_pair):
         first = engine.submit(prompt, 20)
         engine.step()  # its prefill
         repeat = engine.submit(prompt, 20)
-        results = {e.request_id: e.result for _ in iter(engine.has_work, False) for e in engine.step() if e.finished}
+        results = {}
+        while engine.has_work():
+            results.update((e.request_id, e.result) for e in engine.step() if e.finished)
         assert results[repeat].reused_tokens == want, early
         assert results[repeat].output_ids == results[first].output_ids
         assert results[first].reused_tokens == 0
