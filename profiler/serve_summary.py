@@ -172,6 +172,7 @@ class LoadSummary:
     num_identical: int
     num_requests: int
     num_preemptions: int
+    num_reused: int  # requests that reused stored KV (the store's hits under load)
     num_meeting_slo: int | None  # None: no SLO stated
     goodput_per_s: float | None  # num_meeting_slo / the load's span
 
@@ -199,7 +200,7 @@ def summarize_loads(served: list[ServedRow], steps: list[StepRow], slo: Slo | No
             load, policy, measured.output_tok_per_s, measured.ttft.p50_s, measured.e2e.p50_s, len(its_steps),
             sum(len(s.request_ids) for s in its_steps) / num_steps, sum(sum(s.rows) for s in its_steps) / num_steps,
             sum(r.identical_to_ar for r in rows), len(rows), sum(r.num_preemptions for r in rows),
-            *goodput(times, slo, measured.span_s)))
+            sum(r.reused_tokens > 0 for r in rows), *goodput(times, slo, measured.span_s)))
     return summaries
 
 
@@ -224,13 +225,15 @@ def run(args) -> int:
           f"{len(steps)} steps")
     with_slo = slo is not None and slo.stated
     print("| load | policy | out tok/s | TTFT p50 (ms) | e2e p50 (s) | steps | requests / step | rows / step "
-          "| equal to greedy | preemptions |" + (f" goodput (req/s, {slo.describe()}) |" if with_slo else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_slo else ""))
+          "| equal to greedy | preemptions | reused the store |" + (f" goodput (req/s, {slo.describe()}) |"
+                                                                  if with_slo else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_slo else ""))
     for s in summarize_loads(served, steps, slo):
         goodput_text = f" {s.goodput_per_s:.3f} ({s.num_meeting_slo} of {s.num_requests}) |" if with_slo else ""
         print(f"| {s.load} | {s.policy} | {s.output_tok_per_s:.2f} | {s.ttft_p50_s * 1e3:.0f} | {s.e2e_p50_s:.2f} | "
               f"{s.num_steps} | {s.mean_requests_per_step:.2f} | {s.mean_rows_per_step:.1f} | "
-              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} |{goodput_text}")
+              f"{s.num_identical} of {s.num_requests} | {s.num_preemptions} | {s.num_reused} of {s.num_requests} |"
+              f"{goodput_text}")
     medians = batched_medians_s(table_to_rows("ops", read_table(trace, "ops")))
     if medians:
         print("\n| model | context | requests x rows | ms | in one-row steps |")

@@ -162,6 +162,8 @@ def test_the_summary_has_a_row_per_load_and_policy(trace, capsys):
     for load in ("c=1", "c=4", "rate=40"):
         for policy in ("ar", "rakv"):
             assert f"| {load} | {policy} |" in out and "| 6 of 6 | 0 |" in out
+    # ar never reuses stored KV (r = 0): its rows say no request did
+    assert all(line.endswith("| 6 of 6 | 0 | 0 of 6 |") for line in out.splitlines() if "| ar |" in line)
     assert "| target | 128 | 8 x 5 |" in out
 
 
