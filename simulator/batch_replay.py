@@ -41,14 +41,15 @@ class ReplayedStep:
     exact, else the count they are exact up to: a draft-model round stopped on confidence
     past its first wrong token or the output's end, where the trace knows only that it
     proposed at least ``ReplayedRound.proposed_known``; the requests that got their first
-    token in it, and those it finished (with their output tokens); per work, the rows its
+    token in it, and those it finished (with their output tokens and the prompt positions
+    they reused from the store); per work, the rows its
     draft model's cache lacked before a draft-model round (what the round's first draft
     forward feeds: ``step_costs.draft_rounds``), else 0."""
 
     composition: Composition
     row_cuts: tuple[int | None, ...]
     first_tokens: tuple[int, ...]
-    finished: tuple[tuple[int, int], ...]  # (request id, output tokens)
+    finished: tuple[tuple[int, int, int], ...]  # (request id, output tokens, reused positions)
     draft_rows: tuple[int, ...] = ()
 
 
@@ -125,7 +126,7 @@ class BatchReplay:
             live = self._live[seq.request_id]
             if live.moves is not None and seq.t >= live.moves.end:
                 self._finish(live)
-                finished.append((seq.request_id, seq.t))
+                finished.append((seq.request_id, seq.t, live.reused))
         return ReplayedStep(composition, cuts, tuple(self._first_tokens), tuple(finished), draft_rows)
 
     def _draft_behind(self, work: Work) -> int:

@@ -110,6 +110,7 @@ class LoadResult:
     goodput_per_s: float | None  # num_meeting_slo / span_s
     share_speculating: float  # of every decode and verify work
     speculation: tuple[SpeculationAt, ...]  # by running batch size
+    num_reused: int = 0  # requests that reused stored KV (as ``profiler.serve_summary`` counts them live)
     best_fixed: bool = False  # the best fixed policy at its load (``mark_best_fixed``)
 
 
@@ -123,7 +124,8 @@ def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> Loa
         load, policy, len(times), len(run.steps), stats.span_s, stats.num_output_tokens, stats.output_tok_per_s,
         stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
         good_per_s,
-        sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation)
+        sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation,
+        sum(r.num_reused_tokens > 0 for r in run.requests))
 
 
 def _score(result: LoadResult) -> tuple[float, ...]:
@@ -175,15 +177,16 @@ def markdown(results: list[LoadResult], title: str) -> str:
     with_slo = any(r.goodput_per_s is not None for r in results)
     lines = [title, "",
              "| load | policy | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 (s) | e2e p50 / p99 (s) | tok/s "
-             + ("| goodput (req/s) " if with_slo else "") + "| share speculating | by batch size |",
-             "|---|---|---|---|---|---" + ("|---" if with_slo else "") + "|---|---|"]
+             + ("| goodput (req/s) " if with_slo else "") + "| reused the store | share speculating | by batch size |",
+             "|---|---|---|---|---|---" + ("|---" if with_slo else "") + "|---|---|---|"]
     for r in results:
         goodput_text = (f"| {r.goodput_per_s:.3f} ({r.num_meeting_slo} of {r.num_requests}) " if with_slo else "")
         by_batch = " ".join(f"{at.batch_size}:{at.share:.2f}" for at in r.speculation) or "-"
         lines.append(f"| {r.load} | {r.policy}{' *' if r.best_fixed else ''} "
                      f"| {r.ttft.p50_s:.3f} / {r.ttft.p90_s:.3f} / {r.ttft.p99_s:.3f} "
                      f"| {r.itl.p50_s:.4f} / {r.itl.p90_s:.4f} | {r.e2e.p50_s:.2f} / {r.e2e.p99_s:.2f} "
-                     f"| {r.output_tok_per_s:.2f} {goodput_text}| {r.share_speculating:.2f} | {by_batch} |")
+                     f"| {r.output_tok_per_s:.2f} {goodput_text}| {r.num_reused} of {r.num_requests} "
+                     f"| {r.share_speculating:.2f} | {by_batch} |")
     lines.append("")
     if any(r.best_fixed for r in results):
         slo = next(r.slo for r in results if r.slo is not None) if with_slo else None

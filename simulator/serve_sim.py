@@ -30,6 +30,7 @@ class TimedRequest:
     first_token_s: float
     finish_s: float
     num_output_tokens: int
+    num_reused_tokens: int = 0  # prompt positions it reused from the store
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
             clock += costs.seconds(step.composition, step.draft_rows)
         for request_id in step.first_tokens:
             first[request_id] = clock
-        for request_id, num_output in step.finished:
+        for request_id, num_output, reused in step.finished:
             timed.append(TimedRequest(index_of[request_id], arrival[request_id], first[request_id], clock,
-                                      num_output))
+                                      num_output, reused))
     return LoadRun(steps, timed)

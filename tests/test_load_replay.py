@@ -2,7 +2,8 @@
 policies at each load through the batching engine's replay. A recorded load replayed at the
 recorded settings is serve_validate's free-running replay; a rate sweep is seeded; goodput
 counts the requests meeting every bound over the load's span; the share speculating counts
-rounds by the number decoding beside them; bad input is one line."""
+rounds by the number decoding beside them; a repeat reuses its prompt while it runs; bad
+input is one line."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from profiler.schema import table_to_rows
 from profiler.serve_summary import Slo, parse_slo
+from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from simulator import serve_validate
 from simulator.load_replay import LoadResult, mark_best_fixed, speculation_by_batch, summarize_load
@@ -135,3 +138,20 @@ def test_the_plots_are_written(tmp_path, capsys):
     assert "goodput (req/s)" in out and all(f"| {load} | ar * |" in out for load in ("c=1", "c=4", "rate=2"))
     for name in ("latency_vs_load.png", "speculation_vs_batch.png"):
         assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_a_repeat_arriving_while_its_prompt_runs_reuses_it(capsys):
+    """100 requests drawn from 16 code prompts at 1.4 req/s, past the knee: with prompts kept
+    as their prefill ends, every repeat reuses the store and only each prompt's first arrival
+    misses, as the engine did live; kept only at the finish, repeats that arrive while their
+    prompt still runs prefill it again."""
+    trace = TRACES / "qwen-coder-humaneval-serve-amx-knee"
+    argv = ["--trace", str(trace), "--policy", "kv-only", "--arrival-rate", "1.4", "--requests", "100", "--json"]
+    assert replay_main(argv) == 0
+    (early,) = rows_of(capsys)
+    assert replay_main(argv + ["--set", "store.early_prompts=false"]) == 0
+    (late,) = rows_of(capsys)
+    served = [r for r in table_to_rows("served", read_table(trace, "served"))
+              if r.load == "rate=1.4" and r.policy == "kv-only"]
+    assert sum(r.reused_tokens > 0 for r in served) == 84  # live: 16 distinct prompts
+    assert early["num_reused"] == 84 > late["num_reused"]
