@@ -42,9 +42,9 @@ class ReplayedStep:
     past its first wrong token or the output's end, where the trace knows only that it
     proposed at least ``ReplayedRound.proposed_known``; the requests that got their first
     token in it, and those it finished (with their output tokens and the prompt positions
-    they reused from the store); per work, the rows its
-    draft model's cache lacked before a draft-model round (what the round's first draft
-    forward feeds: ``step_costs.draft_rounds``), else 0."""
+    they reused from the store); per work, the rows its draft model's cache lacked before a
+    draft-model round (what the round's first draft forward feeds:
+    ``step_costs.draft_rounds``), else 0."""
 
     composition: Composition
     row_cuts: tuple[int | None, ...]
