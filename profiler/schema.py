@@ -24,7 +24,8 @@ Four Parquet tables (DESIGN.md section 3):
 
 Beside the tables, ``policies/NAME/`` holds a copy of each learned policy a recording
 served (``policy_copy_dir``), so that its replays decide with the files it ran after the
-shipped policy is trained again.
+shipped policy is trained again; in a directory of traces, a link to the one copy they
+share (``profiler.policy_copies``).
 
 Every file carries in its Parquet key-value metadata ``rakv.schema_version`` (major.minor),
 ``rakv.table`` and the JSON objects ``rakv.hardware``, ``rakv.models``, ``rakv.config``

@@ -123,6 +123,8 @@ for entry in "${TRACES[@]}"; do
   rm -f "$loads" "$log"
   rm -rf "traces/$name"
   mv "$partial" "traces/$name"
+  # the learned policies it served, held once beside the other traces' copies of the same files
+  "$PY" -m profiler.policy_copies traces 2>/dev/null
   size="$(du -sh "traces/$name" | cut -f1)"
   [ -f traces/RECORDINGS.md ] || printf '| trace | command | wall | size | load average (1 min); noise guards | recorded |\n|---|---|---|---|---|---|\n' > traces/RECORDINGS.md
   # the command a recording began with (a resumed one began with --recalibrate too)

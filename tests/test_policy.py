@@ -22,6 +22,7 @@ from engine_checks import assert_rounds_replay, run_mix
 from policy.evaluate import main as evaluate_main
 from policy.round_data import ReadyingAll, collect, further_target, split_families
 from policy.train import main as train_main
+from profiler import policy_copies
 from profiler.record import main as record
 from rakv.acceptance import comparable_rounds
 from rakv.controller import ControllerConfig
@@ -147,6 +148,14 @@ def test_a_served_learned_policy_is_kept_in_the_trace_and_replayed_from_it(train
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in policy_dir.iterdir())
     shutil.rmtree(policy_dir)
     rows = [row for row in validate_serving(load_trace(out)) if row.steps is not None]
+    assert rows and all(row.steps.first_difference is None for row in rows)
+    # held once beside another trace that served the same files, it replays the same
+    again = tmp_path / "tiny-serve-again"
+    shutil.copytree(out, again)
+    assert policy_copies.share(tmp_path) == 2 and policy_copies.share(tmp_path) == 0
+    assert copy.is_symlink() and policy_copy_dir(again, name).resolve() == copy.resolve()
+    assert [p.name for p in (tmp_path / policy_copies.SHARED).iterdir()] == [policy_copies.digest(copy)]
+    rows = [row for row in validate_serving(load_trace(again)) if row.steps is not None]
     assert rows and all(row.steps.first_difference is None for row in rows)
 
 
