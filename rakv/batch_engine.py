@@ -94,7 +94,6 @@ class _Request:
     prompt_logits: torch.Tensor | None = None
     moves: _ModelRounds | None = None  # set at the first token
     rounds: list = field(default_factory=list)
-    draft_seen: int = 0  # positions the walk accounts to the draft model's cache
     first_token_s: float | None = None
 
 
@@ -210,7 +209,7 @@ class BatchEngine(Engine):
                 cache = req.drafters[DRAFT_MODEL].cache
                 # the walk's account of the draft cache, which the simulator prices, is exact (a
                 # preempted request's draft cache restarts empty and catches up)
-                assert req.seq.num_preemptions or cache.get_seq_length() == req.draft_seen
+                assert req.seq.num_preemptions or cache.get_seq_length() == req.seq.draft_seen
                 caches.append(cache)
             made = draft_propose_many(self.pair.draft, caches, [reqs[i].tokens for i in drafting],
                                       [works[i].k for i in drafting],
@@ -250,7 +249,7 @@ class BatchEngine(Engine):
             _, appended = moves.finish_move(t, work.drafter, work.k, record, rnd.draft_probs)
             req.rounds.append(record)
             if work.drafter == DRAFT_MODEL:
-                req.draft_seen = draft_cache_after(seq.num_prompt, t, record.num_proposed, appended)
+                seq.draft_seen = draft_cache_after(seq.num_prompt, t, record.num_proposed, appended)
         else:
             moves.logits = logits[0]
             new_ids = tuple(greedy(logits))
@@ -268,8 +267,8 @@ class BatchEngine(Engine):
         req = self._requests[seq.request_id]
         req.admitted_s = start
         req.decision = decision = self.decide(req.prompt, seq.max_new_tokens, req.policy, len(self.scheduler.running))
-        req.draft_seen = decision.draft_reused or 0
-        req.drafters = self._drafters(decision.planner.drafters, decision.draft_match, req.draft_seen)
+        seq.draft_seen = decision.draft_reused or 0
+        req.drafters = self._drafters(decision.planner.drafters, decision.draft_match, seq.draft_seen)
         reused = decision.reuse.reused_tokens
         req.target_cache = self.store.restore(decision.match.entry, reused) if reused else GrowingCache()
         seq.bytes_per_position = self._target_bytes + (self._draft_bytes if decision.draft_reused is not None else 0)

@@ -166,8 +166,10 @@ class LearnedRounds(AdaptiveRounds):
             return super().plan(signals, t, load)
         offset, best_rate, costs_s = self._prices(load)
         bounds_s = load.pace_bounds_s if load is not None else ()
-        best = self._plain
+        best, held = self._plain, self._held(load)
         for drafter in self.drafters:
+            if drafter == held:
+                continue
             longest = self.longest_round(drafter, t)
             top = longest_within(costs_s[drafter], longest, bounds_s) if bounds_s else longest
             if not top:

@@ -163,6 +163,13 @@ class PlannerConfig:
     # Price a round in a batched step by what it adds to the step and delays for the other
     # requests (``rakv.step_load``); off: as if it ran alone, as engines before it did.
     load_aware: bool = field(default=True, metadata={"before": False})
+    # A draft-model round whose draft cache lags by more than this many positions is not
+    # planned in a step that prefills another request (``StepLoad.catch_up_beside_prefill``):
+    # its catch-up forward, over a whole prompt at a request's first round (0.64 s for 107
+    # positions of Qwen2.5-Coder 0.5B on a Xeon), would delay that request's first token.
+    # The round waits for a step without a prefill, drafting with another drafter or not
+    # at all meanwhile. None: planned wherever it pays, as engines before it did.
+    max_catch_up_beside_prefill: int | None = field(default=16, metadata={"before": None})
 
     def __post_init__(self):
         if not 0 < self.recency <= 1 or not 1 <= self.max_k <= MAX_DRAFT_LENGTH or self.shadow_length < 1:
@@ -170,6 +177,8 @@ class PlannerConfig:
                              f"got {self.recency}, {self.max_k}, {self.shadow_length}")
         if not 0 <= self.draft_confidence < 1:
             raise ValueError(f"need 0 <= draft_confidence < 1, got {self.draft_confidence}")
+        if self.max_catch_up_beside_prefill is not None and self.max_catch_up_beside_prefill < 0:
+            raise ValueError(f"max_catch_up_beside_prefill must be at least 0, got {self.max_catch_up_beside_prefill}")
 
 
 def stopped_rounds(acceptance: float, stop_right: float, stop_wrong: float, costs_s: Sequence[float],
@@ -331,7 +340,8 @@ class AdaptiveRounds:
     def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
         """``load``: the rest of the batched step the round joins (None or no other
         request: priced alone)."""
-        if self._probe is not None:
+        held = self._held(load)
+        if self._probe is not None and self._probe != held:  # a held probe waits for its step
             drafter, self._probe = self._probe, None
             progress, costs = self._priced(drafter, signals[drafter])
             return drafter, max(range(1, self._max_k + 1), key=lambda k: progress[k] / costs[k])
@@ -339,6 +349,8 @@ class AdaptiveRounds:
         bounds_s = load.pace_bounds_s if load is not None else ()
         best = self._plain
         for drafter in self.drafters:
+            if drafter == held:
+                continue
             top = longest_within(costs_s[drafter], self._max_k, bounds_s)
             if not top:
                 continue  # even its shortest round would make the step too slow
@@ -358,6 +370,14 @@ class AdaptiveRounds:
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
+
+    def _held(self, load: StepLoad | None) -> str | None:
+        """The draft model where its round must wait: its catch-up would land in a step that
+        prefills another request (``PlannerConfig.max_catch_up_beside_prefill``); else None."""
+        limit = self.config.max_catch_up_beside_prefill
+        if load is None or limit is None or load.catch_up_beside_prefill <= limit:
+            return None
+        return DRAFT_MODEL
 
     def _prices(self, load: StepLoad | None) -> tuple[float, float, Mapping[str, Sequence[float]]]:
         """(the others' tokens, the rate a round must beat, each drafter's round seconds)

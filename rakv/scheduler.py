@@ -15,7 +15,8 @@ Invariants:
   order, then admits waiting requests from the front of ``waiting`` while rows, seats
   and memory last. A preempted request goes back to the front of ``waiting``. A round's
   planner is shown the rest of the step (``rakv.step_load.StepLoad``): the rounds planned
-  before it, and one row for each decoding request after it.
+  before it, one row for each decoding request after it, and whether the step prefills
+  (a running request's chunk, or a waiting request with a seat free).
 - Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
   clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
   a request's rounds, never its tokens.
@@ -87,6 +88,9 @@ class Seq:
     num_preemptions: int = 0
     admitted: bool = False  # admitted once (its store lookup and decision are made)
     slack_s: float = 0.0  # from its first token: seconds ahead of the ITL target, steps as priced (see "Pace")
+    # positions the walk accounts to its draft model's cache (``rakv.rounds.draft_cache_after``),
+    # kept by the engine and the replay: a round of it first catches up on num_tokens minus these
+    draft_seen: int = 0
 
     @property
     def t(self) -> int:
@@ -189,6 +193,9 @@ class Scheduler:
         num_alive = len(decoding)  # those not preempted: a prefix of them (preemption takes the newest)
         planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
         paces = self._paces(decoding) if pacing else []
+        # whether the step will prefill: a running request's next chunk, or an admission
+        prefills = any(seq.prefilling for seq in self.running) or bool(
+            self.waiting and len(self.running) < self.config.max_num_seqs)
         for i, seq in enumerate(decoding):
             if i >= num_alive or budget == 0:
                 break
@@ -199,7 +206,8 @@ class Scheduler:
                 break  # it preempted itself, and every one after it before
             unplanned = num_alive - i - 1
             load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths),
-                            _bounds_beside(seq, paces) if paces else ())
+                            _bounds_beside(seq, paces) if paces else (),
+                            seq.num_tokens - seq.draft_seen if prefills else 0)
             drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
             budget -= k + 1

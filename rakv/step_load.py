@@ -53,6 +53,9 @@ class StepLoad:
     # the longest step that keeps each other decoding request on the ITL target's pace,
     # ascending (``rakv.scheduler``'s "Pace"; () without a target)
     pace_bounds_s: tuple[float, ...] = ()
+    # where the step also prefills another request (whose first token waits on it): the
+    # positions this request's draft model would catch up before drafting; 0 otherwise
+    catch_up_beside_prefill: int = 0
 
 
 ALONE = StepLoad(0, 0)

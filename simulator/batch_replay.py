@@ -65,7 +65,6 @@ class _Live:
     reused: int = 0
     draft_reused: int | None = None  # None: it did not ready the draft model
     moves: RunLengthRounds | None = None  # set at its first token
-    draft_seen: int = 0
     rounds: list = field(default_factory=list)
     pending: tuple | None = None  # a round proposed this step: (round, probs), carried to ``_advance``
 
@@ -135,7 +134,7 @@ class BatchReplay:
         does not see)."""
         if work.kind != VERIFY or work.drafter != DRAFT_MODEL:
             return 0
-        return work.seq.num_tokens - self._live[work.seq.request_id].draft_seen
+        return work.seq.num_tokens - work.seq.draft_seen
 
     def _row_cut(self, work: Work) -> int | None:
         if work.kind != VERIFY:
@@ -148,7 +147,7 @@ class BatchReplay:
         """A round's proposal and what the target accepts of it, from the run lengths."""
         live = self._live[work.seq.request_id]
         live.pending = live.moves.propose(work.seq.t, work.drafter, work.k, live.moves.stop_below(work.drafter),
-                                          live.draft_seen)
+                                          live.seq.draft_seen)
 
     def _rows(self, work: Work) -> int:
         """The rows the work feeds the target: a chunk, one token, or the last token and
@@ -173,7 +172,7 @@ class BatchReplay:
             _, appended = live.moves.finish_move(t, work.drafter, work.k, rnd, probs)
             live.rounds.append(rnd)
             if work.drafter == DRAFT_MODEL:
-                live.draft_seen = draft_cache_after(seq.num_prompt, t, rnd.num_proposed, appended)
+                seq.draft_seen = draft_cache_after(seq.num_prompt, t, rnd.num_proposed, appended)
         else:
             assert work.kind == DECODE
             _, appended = live.moves.finish_move(t, work.drafter, 0)
@@ -190,7 +189,7 @@ class BatchReplay:
                                  len(self.scheduler.running))
         live.action, live.planner = decision.action, decision.planner
         live.reused, live.draft_reused = decision.reuse.reused_tokens, decision.draft_reused
-        live.draft_seen = live.draft_reused or 0
+        seq.draft_seen = live.draft_reused or 0
         seq.bytes_per_position = self._target_bytes + (self._draft_bytes if live.draft_reused is not None else 0)
         seq.num_computed = live.reused
         if live.reused == seq.num_prompt:  # an exact repeat: the stored logits, no prefill
@@ -208,7 +207,7 @@ class BatchReplay:
         live.seq.moves = live.moves
 
     def _preempted(self, seq: Seq) -> None:
-        """Nothing to drop: a replay holds no caches (the draft's account, ``draft_seen``,
+        """Nothing to drop: a replay holds no caches (the draft's account, ``Seq.draft_seen``,
         is the walk's, as the engine's store sees it at the finish)."""
 
     def _finish(self, live: _Live) -> None:

@@ -2,8 +2,8 @@
 policies at each load through the batching engine's replay. A recorded load replayed at the
 recorded settings is serve_validate's free-running replay; a rate sweep is seeded; goodput
 counts the requests meeting every bound over the load's span; the share speculating counts
-rounds by the number decoding beside them; a repeat reuses its prompt while it runs; bad
-input is one line."""
+rounds by the number decoding beside them; a repeat reuses its prompt while it runs; a
+draft catch-up waits for a step without another's prefill; bad input is one line."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from profiler.schema import table_to_rows
+from profiler.serve_record import Load
 from profiler.serve_summary import Slo, parse_slo
 from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
+from rakv.settings import Settings, override
 from simulator import serve_validate
 from simulator.load_replay import LoadResult, mark_best_fixed, speculation_by_batch, summarize_load
 from simulator.replay import main as replay_main
@@ -155,3 +157,30 @@ def test_a_repeat_arriving_while_its_prompt_runs_reuses_it(capsys):
               if r.load == "rate=1.4" and r.policy == "kv-only"]
     assert sum(r.reused_tokens > 0 for r in served) == 84  # live: 16 distinct prompts
     assert early["num_reused"] == 84 > late["num_reused"]
+
+
+def test_a_draft_catch_up_waits_for_a_step_that_prefills_no_other_request(capsys):
+    """Code at 0.1 req/s, seed 1: the load's first request probes the draft model, whose
+    first round catches the draft's cache up over the whole prompt. Planned beside another
+    request's prefill (the setting off, as engines before it), that forward delayed the other's
+    first token past the 3 s bound, and `rakv` fell one request below `kv-only`; held to a
+    step without a prefill, no draft round catches up more than the limit beside one."""
+    trace = load_trace(TRACES / "qwen-coder-humaneval-serve")
+    costs = serve_validate.fit_serving_costs(trace)
+    limit = Settings().controller.rounds.max_catch_up_beside_prefill
+
+    def catch_ups_beside_prefill(settings: Settings) -> list[int]:
+        serving = serve_validate.ServingReplay(trace, trace.decision_inputs(settings), 400, seed=1)
+        run = serving.run(Load(rate_per_s=0.1), "rakv", costs)
+        return [rows for step in run.steps if PREFILL in step.composition.kinds for rows in step.draft_rows if rows]
+
+    assert all(rows <= limit for rows in catch_ups_beside_prefill(Settings()))
+    assert max(catch_ups_beside_prefill(override(Settings(), "planner.max_catch_up_beside_prefill=null"))) > 100
+    argv = ["--trace", str(TRACES / "qwen-coder-humaneval-serve"), "--policy", "kv-only,rakv", "--arrival-rate", "0.1",
+            "--requests", "400", "--seed", "1", "--slo", "ttft=3,itl=0.2", "--json"]
+    met = {}
+    for extra in ([], ["--set", "planner.max_catch_up_beside_prefill=null"]):
+        assert replay_main(argv + extra) == 0
+        met[bool(extra)] = {row["policy"]: row["num_meeting_slo"] for row in rows_of(capsys)}
+    assert met[False] == {"kv-only": 399, "rakv": 399}
+    assert met[True] == {"kv-only": 399, "rakv": 398}

@@ -1,7 +1,8 @@
 """Load-aware round prices (``rakv.step_load``): alone they are the batch-1 prices bit for
 bit; under load a round pays only while its rows are worth the others' time; the
-scheduler shows each round the rest of its step; a request admitted where the draft
-cannot pay does not ready it; settings written before the switches replay as they ran."""
+scheduler shows each round the rest of its step; a draft catch-up waits for a step that
+prefills no other request; a request admitted where the draft cannot pay does not ready
+it; settings written before the switches replay as they ran."""
 from __future__ import annotations
 
 import json
@@ -89,6 +90,50 @@ def test_the_scheduler_shows_each_round_the_rest_of_its_step():
     assert scheduler.waiting == deque()
 
 
+def test_the_scheduler_shows_a_round_its_draft_catch_up_where_the_step_prefills():
+    """Only where another request prefills (a running chunk or an admission) is the lag of
+    the request's draft cache shown: elsewhere a catch-up delays no first token."""
+    def scheduled(waiting: bool, prefilling: bool) -> list:
+        loads: list = []
+        scheduler = Scheduler(BatchConfig(max_num_seqs=4, max_num_batched_tokens=64), lambda seq: None,
+                              lambda seq: None, lambda: 0, lambda: False)
+        scheduler.running.append(Seq(0, 40, 16, 1, num_tokens=42, num_computed=41, prefill_end=40,
+                                     moves=_Moves(2, loads), admitted=True, draft_seen=38))
+        if prefilling:
+            scheduler.running.append(Seq(1, 30, 16, 1, num_tokens=30, num_computed=8, prefill_end=30, admitted=True))
+        if waiting:
+            scheduler.add(Seq(2, 20, 16, 1, num_tokens=20, prefill_end=20, admitted=True))
+        scheduler.schedule()
+        return [load.catch_up_beside_prefill for load in loads]
+
+    assert scheduled(waiting=False, prefilling=False) == [0]
+    assert scheduled(waiting=True, prefilling=False) == [42 - 38]
+    assert scheduled(waiting=False, prefilling=True) == [42 - 38]
+
+
+def test_a_draft_catch_up_waits_for_a_step_that_prefills_no_other_request(timings):
+    """A probe of the draft model (the request's first round, whatever the price) over a
+    prompt it has not seen is held while the step prefills another request, and made at the
+    first step that does not; a short catch-up is not held, nor any with the limit off."""
+    signals = {DRAFT_MODEL: 0, NGRAM: 3}
+    limit = PlannerConfig().max_catch_up_beside_prefill
+    costs = round_costs(timings, DRAFTERS, 16, 300)
+    priors = {(DRAFT_MODEL, 0): 0.2, (NGRAM, 3): 0.2}  # no round pays: only the probe drafts
+
+    def probing(config: PlannerConfig = PlannerConfig()) -> AdaptiveRounds:
+        return AdaptiveRounds(DRAFTERS, priors, {DRAFT_MODEL: 0.2, NGRAM: 0.2}, costs, config, probe=DRAFT_MODEL)
+
+    held = probing()
+    beside_prefill = StepLoad(1, 1, catch_up_beside_prefill=300)
+    assert held.plan(signals, 1, beside_prefill)[1] == 0
+    assert held.plan(signals, 2, beside_prefill)[1] == 0
+    assert held.plan(signals, 3, StepLoad(1, 1))[0] == DRAFT_MODEL and held.plan(signals, 4, StepLoad(1, 1))[1] == 0
+    short = StepLoad(1, 1, catch_up_beside_prefill=limit)
+    assert probing().plan(signals, 1, short)[0] == DRAFT_MODEL
+    unlimited = probing(PlannerConfig(max_catch_up_beside_prefill=None))
+    assert unlimited.plan(signals, 1, beside_prefill)[0] == DRAFT_MODEL
+
+
 def test_a_request_admitted_where_the_draft_cannot_pay_does_not_ready_it(timings):
     """Readied, the draft would prefill the prompt at its first round and hold memory, and
     under this load no round of it pays: the controller takes the best action without it."""
@@ -104,7 +149,8 @@ def test_a_request_admitted_where_the_draft_cannot_pay_does_not_ready_it(timings
 
 def test_settings_written_before_load_aware_pricing_replay_without_it():
     written = settings_to_json(ControllerConfig())
-    del written["rounds"]["load_aware"], written["ready_under_load"]
+    del written["rounds"]["load_aware"], written["ready_under_load"], written["rounds"]["max_catch_up_beside_prefill"]
     assert settings_from_json(ControllerConfig, written) == replace(
-        ControllerConfig(ready_under_load=False), rounds=replace(PlannerConfig(), load_aware=False))
+        ControllerConfig(ready_under_load=False),
+        rounds=replace(PlannerConfig(), load_aware=False, max_catch_up_beside_prefill=None))
     assert ControllerConfig().rounds.load_aware and ControllerConfig().ready_under_load
