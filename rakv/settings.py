@@ -127,7 +127,8 @@ def _checked(hint, value):
             return value
         if option in (bool, str) and isinstance(value, option):
             return value
-    raise ValueError(f"expected {' or '.join(getattr(o, '__name__', str(o)) for o in options)}, got {value!r}")
+    names = [getattr(o, '__name__', str(o)) for o in options] + (["null"] if type(None) in typing.get_args(hint) else [])
+    raise ValueError(f"expected {' or '.join(names)}, got {value!r}")
 
 
 def overrides_from_json(data: dict) -> list[str]:

@@ -321,6 +321,7 @@ def test_override_sets_any_setting_by_section_or_path_and_refuses_bad_ones():
         "planner.min_gain=0.3", "ngram.max_ngram=4"]
     for bad, message in (("planner.min_gian=1", "no such setting"), ("planner.max_k=99", "max_k"),
                          ("planner.min_gain=fast", "expected float"), ("store.budget_bytes=1.5", "expected int"),
+                         ("planner.max_catch_up_beside_prefill=None", "expected int or null"),
                          ("min_gain", "SECTION.KEY=VALUE"), ("planner=1", "no such setting")):
         with pytest.raises(ValueError, match=message):
             override(Settings(), bad)
