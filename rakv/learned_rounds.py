@@ -73,14 +73,26 @@ class RoundModel:
     """Per drafter, the two heads as compiled functions of ``ROUND_FEATURES`` (raw scores),
     and the token priors they were trained with."""
 
+    MAX_ROWS = 65_536  # rows predicted and kept at most (past them, the memo starts again empty)
+
     def __init__(self, heads: Mapping[str, tuple[Callable[..., float], Callable[..., float]]],
                  token_priors: Mapping[str, TokenPrior] | None = None):
         self.heads = dict(heads)
         self.token_priors = dict(token_priors or {})
+        # (drafter, *row) -> prediction: a request that repeats another's prompt and store
+        # state plans from the same rows again (equal features, int or float, predict alike)
+        self._predicted: dict[tuple, tuple[float, float]] = {}
 
     def predict(self, drafter: str, row: Sequence[float]) -> tuple[float, float]:
-        first, further = self.heads[drafter]
-        return sigmoid(first(*row)), sigmoid(further(*row))
+        """(P(m >= 1), P(m >= j + 1 | m >= j)) of ``drafter`` at the features ``row``."""
+        key = (drafter, *row)
+        found = self._predicted.get(key)
+        if found is None:
+            if len(self._predicted) >= self.MAX_ROWS:
+                self._predicted.clear()
+            first, further = self.heads[drafter]
+            found = self._predicted[key] = (sigmoid(first(*row)), sigmoid(further(*row)))
+        return found
 
 
 class _History:
