@@ -36,6 +36,7 @@ its rounds.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Mapping, Sequence, cast
 
 import numpy as np
@@ -54,11 +55,17 @@ NONE = -1.0  # a feature with nothing to report yet
 
 
 def repeat_share(prompt_ids: Sequence[int] | np.ndarray, n: int) -> float:
-    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it."""
-    count = len(prompt_ids) - n + 1
-    if count <= 1:
+    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it (once per
+    prompt: requests repeat their prompts, and the count costs a sort)."""
+    if len(prompt_ids) - n + 1 <= 1:
         return 0.0
-    ids = np.asarray(prompt_ids, dtype=np.int64)
+    return _repeat_share(np.asarray(prompt_ids, dtype=np.int64).tobytes(), n)
+
+
+@lru_cache(maxsize=256)  # keyed by the prompt's bytes: 256 prompts of 8K tokens hold 16 MiB
+def _repeat_share(prompt_bytes: bytes, n: int) -> float:
+    ids = np.frombuffer(prompt_bytes, dtype=np.int64)
+    count = len(ids) - n + 1
     shift = 63 // n  # each id in its own bits: n-grams of ids below 2^21 (every tokenizer's) code uniquely
     codes = ids[:count] << (shift * (n - 1))
     for j in range(1, n):
