@@ -43,7 +43,7 @@ import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
-from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds, unstopped_progress
 from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
 
@@ -202,8 +202,10 @@ class LearnedRounds(AdaptiveRounds):
                 cheapest = self._cheapest[drafter] if costs_s is self.costs_s else costs_s[drafter][1]
                 if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
                     continue
-                stops = self._stop_shares if drafter == DRAFT_MODEL else (0.0, 0.0)
-                progress, costs = run_rounds(first, further, *stops, costs_s[drafter], top)
+                if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
+                    progress, costs = run_rounds(first, further, *self._stop_shares, costs_s[drafter], top)
+                else:  # as ``run_rounds`` prices them, read in place
+                    progress, costs = unstopped_progress(first, further, top), costs_s[drafter]
             beat = best_rate * (1 + 1e-9)
             for k in range(1, top + 1):
                 rate = (offset + progress[k]) / costs[k]

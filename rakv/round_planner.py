@@ -23,6 +23,7 @@ the timing noise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
@@ -193,14 +194,9 @@ def run_rounds(first: float, further: float, stop_right: float, stop_wrong: floa
     and the round drafts D_k = sum_{j<k} prod_{i<j} c_i tokens, costing ``costs_s`` (per
     whole k) interpolated at D_k. With no stops and first = further these are
     ``progress_by_k`` and ``costs_s``."""
-    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
     if stop_right == 0.0 and stop_wrong == 0.0:  # every round drafts its k: the costs are costs_s
-        progress, kept, reach = [1.0], 1.0, a
-        for _ in range(max_k):
-            kept += reach
-            reach *= further
-            progress.append(kept)
-        return progress, list(costs_s[:max_k + 1])
+        return list(unstopped_progress(first, further, max_k)), list(costs_s[:max_k + 1])
+    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
     keep_right, keep_wrong = 1.0 - stop_right, 1.0 - stop_wrong
     progress, costs = [1.0], [costs_s[0]]
     kept = drafted = 0.0
@@ -216,6 +212,19 @@ def run_rounds(first: float, further: float, stop_right: float, stop_wrong: floa
         costs.append(low if whole >= max_k else low + (drafted - whole) * (costs_s[whole + 1] - low))
         progress.append(1.0 + kept)
     return progress, costs
+
+
+@lru_cache(maxsize=4096)  # the learned planner prices the same predictions again and again (``LearnedRounds``)
+def unstopped_progress(first: float, further: float, max_k: int) -> tuple[float, ...]:
+    """``run_rounds``' (E_0, ..., E_max_k) where no proposal stops early: E_k = 1 +
+    sum_{j<k} first further^(j-1)."""
+    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
+    progress, kept, reach = [1.0], 1.0, a
+    for _ in range(max_k):
+        kept += reach
+        reach *= further
+        progress.append(kept)
+    return tuple(progress)
 
 
 MIN_CONFIDENCE_SAMPLES = 6  # verified draft tokens, both outcomes among them, before a request moves its threshold
