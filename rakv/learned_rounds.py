@@ -129,7 +129,7 @@ class LearnedRounds(AdaptiveRounds):
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
         self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM, SUFFIX)}
         self._t = 0
-        self._cheapest = {d: min(self.costs_s[d][1:]) for d in drafters}  # seconds of the cheapest round
+        self._cheapest: dict[str, float] = {}  # per drafter, its cheapest round alone, when first needed
         self._draft_prob = NONE
         self._lengths: Mapping[str, Columns] = {}
         self._tokens: Sequence[int] | np.ndarray = ()
@@ -161,9 +161,11 @@ class LearnedRounds(AdaptiveRounds):
         h = self.history[drafter]
         draft = drafter == DRAFT_MODEL
         a = self.acceptance.get((drafter, signal))
+        if a is None:  # kept: the same value ``estimate`` would give on every later call (as ``AdaptiveRounds.plan``)
+            a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
         return [signal, self.longest_round(drafter, t) if longest is None else longest,
                 cast(RunLengths, self._lengths[NGRAM]).extents[t] if drafter == NGRAM else 0, t,
-                self.num_new_tokens - t, self.estimate(drafter, signal) if a is None else a, h.trials,
+                self.num_new_tokens - t, a, h.trials,
                 h.successes / h.trials if h.trials else NONE, h.last_accepted, h.last_full,
                 t - h.last_t if h.last_t >= 0 else NONE, *h.recent, self.prompt_repeat,
                 self._draft_prob if draft else NONE, self.confidence if draft else NONE, self.token_prior(drafter, t)]
@@ -199,7 +201,10 @@ class LearnedRounds(AdaptiveRounds):
             else:
                 first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t, longest))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)
-                cheapest = self._cheapest[drafter] if costs_s is self.costs_s else costs_s[drafter][1]
+                if costs_s is not self.costs_s:
+                    cheapest = costs_s[drafter][1]
+                elif (cheapest := self._cheapest.get(drafter)) is None:
+                    cheapest = self._cheapest[drafter] = min(self.costs_s[drafter][1:])
                 if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
                     continue
                 if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):

@@ -314,12 +314,7 @@ class AdaptiveRounds:
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
-        # Per drafter, the acceptance at or below which none of its rounds can beat that
-        # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
-        # 1 / ((1 - a) * its cheapest round). The 1e-9 keeps float rounding on the safe
-        # side: this only skips work, every drafter above it is priced exactly.
-        self._hopeless = {d: 1.0 - 1.0 / (self._plain_rate * min(self.costs_s[d][1:config.max_k + 1])) - 1e-9
-                          for d in drafters}
+        self._hopeless: dict[str, float] = {}  # per drafter, when first needed (``_hopeless_at``)
         self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
         self._keep = 1.0 - config.recency
         self._max_k = config.max_k
@@ -356,7 +351,7 @@ class AdaptiveRounds:
             if a is None:  # kept: the same value ``estimate`` would give on every later call
                 a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
             if costs_s is self.costs_s:
-                if a <= self._hopeless[drafter]:
+                if a <= self._hopeless_at(drafter):
                     continue  # no round of this drafter can win (see __init__)
             elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
                 continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
@@ -367,6 +362,18 @@ class AdaptiveRounds:
                 if rate > beat:
                     best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
         return best
+
+    def _hopeless_at(self, drafter: str) -> float:
+        """The acceptance at or below which no round of ``drafter`` alone can beat a plain
+        step: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
+        1 / ((1 - a) * its cheapest round). The 1e-9 keeps float rounding on the safe side:
+        this only skips work, every drafter above it is priced exactly. Computed when first
+        asked (rounds under load are bounded by the step's prices instead)."""
+        found = self._hopeless.get(drafter)
+        if found is None:
+            cheapest_s = min(self.costs_s[drafter][1:self._max_k + 1])
+            found = self._hopeless[drafter] = 1.0 - 1.0 / (self._plain_rate * cheapest_s) - 1e-9
+        return found
 
     def _prices(self, load: StepLoad | None) -> tuple[float, float, Mapping[str, Sequence[float]]]:
         """(the others' tokens, the rate a round must beat, each drafter's round seconds)
