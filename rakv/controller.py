@@ -102,7 +102,7 @@ class CostModelPolicy:
     config: ControllerConfig = field(default_factory=ControllerConfig)
     name: str = "rakv"
 
-    MAX_SHAPES = 4096  # request shapes whose action terms are kept at most (then they start again)
+    MAX_SHAPES = 4096  # request shapes whose action terms (and draft idleness) are kept at most, then none
 
     def __post_init__(self):
         drafters = usable_drafters(self.timings.draft is not None)
@@ -116,6 +116,7 @@ class CostModelPolicy:
         self.seen: set[str] = set()  # drafters whose acceptance has been measured (see ControllerConfig.probe_margin)
         self._round_cost_memo: dict[tuple, RoundCosts] = {}
         self._terms_memo: dict[tuple, tuple] = {}  # ``_terms_at``'s, by the request's lengths and hits
+        self._idle_memo: dict[tuple, bool] = {}  # ``_draft_idle``'s, by (running requests, context, acceptance)
         self.actions = priced_actions(drafters)
 
     def decide(self, features: RequestFeatures) -> Action:
@@ -207,13 +208,22 @@ class CostModelPolicy:
             return False
         if DRAFT_MODEL not in self.drafters:
             return False
-        max_k = self.config.rounds.max_k
-        # the costs ``priced`` read at this context: requests of one length share their load prices
-        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
-        offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
-                                                         self.config.rounds.min_gain)
-        progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), costs_s[DRAFT_MODEL]
-        return all((offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        # a function of the load, the context and the draft's acceptance, which moves only
+        # when a request drafted with it: kept for the requests that meet them again
+        context, acceptance = decode_context(features), self.acceptance[DRAFT_MODEL]
+        idle = self._idle_memo.get((n, context, acceptance))
+        if idle is None:
+            max_k = self.config.rounds.max_k
+            # the costs ``priced`` read at this context: requests of one length share their load prices
+            rounds = self.round_costs_at(self.drafters, max(K_CHOICES), context)
+            offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
+                                                             self.config.rounds.min_gain)
+            progress, costs = progress_by_k(acceptance, max_k), costs_s[DRAFT_MODEL]
+            if len(self._idle_memo) >= self.MAX_SHAPES:
+                self._idle_memo.clear()
+            idle = self._idle_memo[n, context, acceptance] = all(
+                (offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        return idle
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""
