@@ -3,9 +3,11 @@
 A hashed n-gram table: every position p of a stored sequence with ``key_tokens`` tokens
 before it and at least one after is filed under those tokens (their int64 bytes: the key
 is compared exactly, never by a hash). ``rakv.prefix_index.PrefixIndex`` tells the index of
-each entry inserted and removed, so it holds exactly the entries the store holds; and,
-between two such changes, it keeps the answers of the lookups made over it
-(``LookupAnswers``): requests that repeat a prompt look the same sequences up again.
+each entry inserted and removed, so it holds exactly the entries the store holds. It also
+keeps the answers of the lookups made over it (``LookupAnswers``), for requests that
+repeat a prompt and look the same sequences up again: a lookup reads only the positions
+filed under its key, so an entry inserted or removed drops the answers under the keys it
+files, and those alone.
 """
 from __future__ import annotations
 
@@ -32,16 +34,21 @@ class SequenceIndex:
 
     def answers(self, config, max_k: int) -> LookupAnswers:
         """The answers of lookups under ``config`` (a ``SuffixConfig``) and ``max_k`` over
-        what the index holds now (``SuffixDrafter``): emptied at every entry added or
-        removed, so an answer is valid while it is there."""
+        what the index holds (``SuffixDrafter``): an entry added or removed drops those
+        under the keys it files, so an answer is valid while it is there."""
         found = self._answers.get((config, max_k))
         if found is None:
             found = self._answers[config, max_k] = LookupAnswers()
         return found
 
-    def _changed(self) -> None:
-        for answers in self._answers.values():
-            answers.clear()
+    def _changed(self, data: bytes) -> None:
+        """The answers under the keys an entry of int64 bytes ``data`` files, dropped."""
+        kept = [answers for answers in self._answers.values() if answers.by_key]
+        if kept:
+            n, w = self.key_tokens, TOKEN_BYTES
+            keys = {data[(p - n) * w:p * w] for p in range(n, len(data) // w)}
+            for answers in kept:
+                answers.drop(keys)
 
     @classmethod
     def holding(cls, namespace: str, key_tokens: int, entries) -> "SequenceIndex":
@@ -60,7 +67,7 @@ class SequenceIndex:
             return
         data = entry.token_bytes
         self._sequences[entry.entry_id] = data
-        self._changed()
+        self._changed(data)
         file_positions(self._positions, data, self.key_tokens, len(data) // TOKEN_BYTES,
                        entry.entry_id << _POSITION_BITS)
         self._num_live += max(0, len(data) // TOKEN_BYTES - self.key_tokens)
@@ -69,7 +76,7 @@ class SequenceIndex:
         data = self._sequences.pop(entry.entry_id, None) if entry.namespace == self.namespace else None
         if data is None:
             return
-        self._changed()
+        self._changed(data)
         filed = max(0, len(data) // TOKEN_BYTES - self.key_tokens)
         self._num_live -= filed
         self._num_dead += filed
@@ -101,28 +108,43 @@ class SequenceIndex:
 
 
 class LookupAnswers:
-    """Store-drafter lookups' answers over one state of a ``SequenceIndex``, by the
-    looked-up tokens' int64 bytes: a proposal is a function of those and of what the index
-    holds, and requests that repeat a prompt look the same sequences up again. The answers
-    are shared: read-only. At most ``MAX_KEY_BYTES`` of keys (then it starts again empty)."""
+    """Store-drafter lookups' answers over a ``SequenceIndex``, by the lookup's key (its
+    last ``key_tokens`` tokens), then by the looked-up tokens' int64 bytes: a proposal is a
+    function of those and of the positions filed under the key. The answers are shared:
+    read-only. At most ``MAX_TOKEN_BYTES`` of looked-up tokens are put between two times
+    it starts again empty."""
 
-    MAX_KEY_BYTES = 16 * 2**20
+    MAX_TOKEN_BYTES = 16 * 2**20
 
-    __slots__ = ("by_tokens", "key_bytes")
+    __slots__ = ("by_key", "token_bytes")
 
     def __init__(self):
-        self.by_tokens: dict[bytes, tuple[list[int], int]] = {}
-        self.key_bytes = 0
+        self.by_key: dict[bytes, dict[bytes, tuple[list[int], int]]] = {}
+        self.token_bytes = 0
 
-    def put(self, key: bytes, answer: tuple[list[int], int]) -> None:
-        if self.key_bytes + len(key) > self.MAX_KEY_BYTES:
-            self.clear()
-        self.by_tokens[key] = answer
-        self.key_bytes += len(key)
+    def get(self, key: bytes, tokens: bytes) -> tuple[list[int], int] | None:
+        under = self.by_key.get(key)
+        return under.get(tokens) if under is not None else None
 
-    def clear(self) -> None:
-        self.by_tokens.clear()
-        self.key_bytes = 0
+    def put(self, key: bytes, tokens: bytes, answer: tuple[list[int], int]) -> None:
+        if self.token_bytes + len(tokens) > self.MAX_TOKEN_BYTES:
+            self.by_key.clear()
+            self.token_bytes = 0
+        under = self.by_key.get(key)
+        if under is None:
+            under = self.by_key[key] = {}
+        under[tokens] = answer
+        self.token_bytes += len(tokens)
+
+    def drop(self, keys: set[bytes]) -> None:
+        """The answers under ``keys``, dropped (from the smaller side)."""
+        by_key = self.by_key
+        if len(by_key) < len(keys):
+            for key in [key for key in by_key if key in keys]:
+                del by_key[key]
+        else:
+            for key in keys:
+                by_key.pop(key, None)
 
 
 def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_tokens: int, stop: int,

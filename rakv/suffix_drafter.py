@@ -21,8 +21,8 @@ the store holds when it is made. The store model decides what it holds from the 
 order and the store settings, the same in the engine and in a replay, and both look a
 position up when its round is planned (``SuffixColumns``): so the proposals, run lengths
 and rounds replay exactly. Being such a function, an answer is kept by the index until
-its next change (``rakv.sequence_index.LookupAnswers``), for the requests that look the
-same tokens up again.
+a change that reaches it (``rakv.sequence_index.LookupAnswers``), for the requests that
+look the same tokens up again.
 """
 from __future__ import annotations
 
@@ -235,26 +235,27 @@ class SuffixDrafter:
         """The answer after the first ``length`` tokens: another request's where it looked
         the same tokens up over the index as it stands, else searched."""
         self.extend(tokens, length)
-        if length < self.config.key_tokens:
+        w, n = TOKEN_BYTES, self.config.key_tokens
+        if length < n:
             return [], 0
         context = self._context
+        key = context[(length - n) * w:length * w]
         answers = self._answers
         if answers is not None:
-            looked_up = context[:length * TOKEN_BYTES]
-            found = answers.by_tokens.get(looked_up)
+            looked_up = context[:length * w]
+            found = answers.get(key, looked_up)
             if found is not None:
                 return found
-        answer = self._search(context, length)
+        answer = self._search(context, length, key)
         if answers is not None:
-            answers.put(looked_up, answer)
+            answers.put(key, looked_up, answer)
         return answer
 
-    def _search(self, context: bytes, length: int) -> tuple[list[int], int]:
+    def _search(self, context: bytes, length: int, key: bytes) -> tuple[list[int], int]:
         """``_lookup``'s answer, found over the index and the first ``length`` tokens of
-        ``context`` (of at least ``key_tokens``)."""
+        ``context`` (of at least ``key_tokens``), the last of which are ``key``."""
         config, w = self.config, TOKEN_BYTES
         n = config.key_tokens
-        key = context[(length - n) * w:length * w]
         # the request's own positions before ``length`` (a replay may look an earlier length up
         # after a later one), their continuations cut there; then the store's
         candidates = [(context, p, length) for p in own_positions(context, key, length, config.max_candidates)]
