@@ -102,7 +102,7 @@ class CostModelPolicy:
     config: ControllerConfig = field(default_factory=ControllerConfig)
     name: str = "rakv"
 
-    MAX_SHAPES = 4096  # request shapes whose action terms (and draft idleness) are kept at most, then none
+    MAX_SHAPES = 4096  # shapes each of ``_terms_at``'s and ``_draft_idle``'s memos keeps at most (then starts again)
 
     def __post_init__(self):
         drafters = usable_drafters(self.timings.draft is not None)

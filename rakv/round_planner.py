@@ -216,8 +216,8 @@ def run_rounds(first: float, further: float, stop_right: float, stop_wrong: floa
 
 @lru_cache(maxsize=4096)  # the learned planner prices the same predictions again and again (``LearnedRounds``)
 def unstopped_progress(first: float, further: float, max_k: int) -> tuple[float, ...]:
-    """``run_rounds``' (E_0, ..., E_max_k) where no proposal stops early: E_k = 1 +
-    sum_{j<k} first further^(j-1)."""
+    """``run_rounds``' (E_0, ..., E_max_k) where no proposal stops early:
+    E_k = 1 + first (1 + further + ... + further^(k-1)), both clamped to [0, 1]."""
     a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
     progress, kept, reach = [1.0], 1.0, a
     for _ in range(max_k):
@@ -352,7 +352,7 @@ class AdaptiveRounds:
                 a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
             if costs_s is self.costs_s:
                 if a <= self._hopeless_at(drafter):
-                    continue  # no round of this drafter can win (see __init__)
+                    continue  # no round of this drafter can win (``_hopeless_at``)
             elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
                 continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
             progress, costs = self._priced(drafter, signal, a, costs_s[drafter])

@@ -111,8 +111,8 @@ class LookupAnswers:
     """Store-drafter lookups' answers over a ``SequenceIndex``, by the lookup's key (its
     last ``key_tokens`` tokens), then by the looked-up tokens' int64 bytes: a proposal is a
     function of those and of the positions filed under the key. The answers are shared:
-    read-only. At most ``MAX_TOKEN_BYTES`` of looked-up tokens are put between two times
-    it starts again empty."""
+    read-only. Once ``MAX_TOKEN_BYTES`` of looked-up tokens have been put, it starts again
+    empty."""
 
     MAX_TOKEN_BYTES = 16 * 2**20
 
