@@ -22,8 +22,9 @@ import tracemalloc
 
 import numpy as np
 
+from rakv.sequence_index import SequenceIndex
 from rakv.store_model import ModelSizes, StoreConfig, StoreModel
-from rakv.suffix_drafter import SequenceIndex, SuffixConfig, SuffixDrafter
+from rakv.suffix_drafter import SuffixConfig, SuffixDrafter
 
 NAMESPACE = "bench"
 VOCAB = 32_000

@@ -19,8 +19,8 @@ from typing import Protocol
 
 from rakv.choices import (ADAPTIVE_NAME, FIXED_POLICY_HELP, K_CHOICES, Choice, fixed_action,
                           priced_actions, readied_drafters, usable_drafters)
-from rakv.cost_model import (Action, PairTimings, RequestFeatures, action_bytes, action_costs_s, decode_context,
-                             progress_by_k)
+from rakv.cost_model import (Action, PairTimings, RequestFeatures, action_bytes, action_terms, costs_under,
+                             decode_context, progress_by_k)
 from rakv.drafters import DRAFT_MODEL, SUFFIX
 from rakv.suffix_drafter import suffix_prior
 from rakv.prefix_index import as_token_array
@@ -102,6 +102,8 @@ class CostModelPolicy:
     config: ControllerConfig = field(default_factory=ControllerConfig)
     name: str = "rakv"
 
+    MAX_SHAPES = 4096  # shapes each of ``_terms_at``'s and ``_draft_idle``'s memos keeps at most (then starts again)
+
     def __post_init__(self):
         drafters = usable_drafters(self.timings.draft is not None)
         self.drafters = drafters
@@ -113,6 +115,8 @@ class CostModelPolicy:
         self.signal_acceptance: dict[tuple[str, int], float] = {}
         self.seen: set[str] = set()  # drafters whose acceptance has been measured (see ControllerConfig.probe_margin)
         self._round_cost_memo: dict[tuple, RoundCosts] = {}
+        self._terms_memo: dict[tuple, tuple] = {}  # ``_terms_at``'s, by the request's lengths and hits
+        self._idle_memo: dict[tuple, bool] = {}  # ``_draft_idle``'s, by (running requests, context, acceptance)
         self.actions = priced_actions(drafters)
 
     def decide(self, features: RequestFeatures) -> Action:
@@ -143,6 +147,19 @@ class CostModelPolicy:
                acceptance: dict[str, float] | None = None) -> list[tuple[float, int, int, Action]]:
         """(predicted seconds, k, r, action) of every feasible action: the least is chosen.
         ``acceptance`` prices under other per-drafter estimates than the running ones."""
+        ranked, terms = self._terms_at(features)
+        costs = costs_under(terms, self.acceptance if acceptance is None else acceptance)
+        return [(cost, *keys) for cost, keys in zip(costs, ranked)]
+
+    def _terms_at(self, features: RequestFeatures) -> tuple[list[tuple[int, int, Action]], tuple]:
+        """The feasible actions, each as (k, r, action), and their terms (``action_terms``):
+        functions of the request's lengths and hits, computed once per set of them
+        (requests repeat their prompts) and kept for at most ``MAX_SHAPES`` sets."""
+        key = (features.num_prompt_tokens, features.num_new_tokens, features.target_hit_tokens,
+               features.draft_hit_tokens, features.exact_repeat)
+        found = self._terms_memo.get(key)
+        if found is not None:
+            return found
         limit = self.config.memory_limit_bytes
         actions = self.actions if limit is None else [
             a for a in self.actions if action_bytes(a, features, self.timings) <= limit]
@@ -151,9 +168,11 @@ class CostModelPolicy:
                 f"no action fits the memory limit of {limit} bytes for a "
                 f"{features.num_prompt_tokens}-token prompt")
         rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
-        costs = action_costs_s(actions, features, self.acceptance if acceptance is None else acceptance,
-                               self.timings, rounds)
-        return [(cost, a.k, a.r, a) for cost, a in zip(costs, actions)]
+        if len(self._terms_memo) >= self.MAX_SHAPES:
+            self._terms_memo.clear()
+        found = self._terms_memo[key] = ([(a.k, a.r, a) for a in actions],
+                                         action_terms(actions, features, self.timings, rounds))
+        return found
 
     def planner(self, features: RequestFeatures, action: Action) -> AdaptiveRounds:
         """Rounds re-planned from the request's own acceptance, starting from the policy's
@@ -189,13 +208,22 @@ class CostModelPolicy:
             return False
         if DRAFT_MODEL not in self.drafters:
             return False
-        max_k = self.config.rounds.max_k
-        # the costs ``priced`` read at this context: requests of one length share their load prices
-        rounds = self.round_costs_at(self.drafters, max(K_CHOICES), decode_context(features))
-        offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
-                                                         self.config.rounds.min_gain)
-        progress, costs = progress_by_k(self.acceptance[DRAFT_MODEL], max_k), costs_s[DRAFT_MODEL]
-        return all((offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        # a function of the load, the context and the draft's acceptance, which moves only
+        # when a request drafted with it: kept for the requests that meet them again
+        context, acceptance = decode_context(features), self.acceptance[DRAFT_MODEL]
+        idle = self._idle_memo.get((n, context, acceptance))
+        if idle is None:
+            max_k = self.config.rounds.max_k
+            # the costs ``priced`` read at this context: requests of one length share their load prices
+            rounds = self.round_costs_at(self.drafters, max(K_CHOICES), context)
+            offset, plain_rate, costs_s = rounds.load_priced(StepLoad(n, n), (DRAFT_MODEL,), max_k,
+                                                             self.config.rounds.min_gain)
+            progress, costs = progress_by_k(acceptance, max_k), costs_s[DRAFT_MODEL]
+            if len(self._idle_memo) >= self.MAX_SHAPES:
+                self._idle_memo.clear()
+            idle = self._idle_memo[n, context, acceptance] = all(
+                (offset + progress[k]) / costs[k] <= plain_rate for k in range(1, max_k + 1))
+        return idle
 
     def _probing(self) -> bool:
         """Whether the draft model is still to be probed (``ControllerConfig.probe_margin``)."""

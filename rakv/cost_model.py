@@ -204,6 +204,17 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
     by many actions (prefills, steps) are computed once: this runs on every request.
     ``rounds`` (``round_planner.RoundCosts`` at ``decode_context``) may hold the per-round
     costs already computed."""
+    return costs_under(action_terms(actions, features, timings, rounds), acceptance)
+
+
+ActionTerm = tuple[float, int, float, str, int]  # (start or whole seconds, tokens left, seconds a round, drafter, k)
+
+
+def action_terms(actions, features: RequestFeatures, timings: PairTimings, rounds=None) -> tuple[ActionTerm, ...]:
+    """``action_costs_s``'s parts that the acceptance leaves alone, per action: (the
+    seconds before decoding, or the whole seconds where k = 0; the tokens decoded after
+    the first; a round's seconds; the drafter; k). A function of the request's lengths and
+    hits, so a policy keeps them per request shape (``costs_under`` prices them)."""
     n, num_new = features.num_prompt_tokens, features.num_new_tokens
     target, draft = timings.target, timings.draft
     remaining = max(num_new - 1, 0)  # the first token comes out of the prefill
@@ -217,9 +228,7 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
             draft_reused = min(features.draft_hit_tokens, n) if r else 0
             start_s[r, True] = (start_s[r, False] + timings.clone_s_per_byte * draft_reused * draft.kv_bytes_per_token
                                 + draft.prefill_s(n + 1 - draft_reused, draft_reused))
-    costs = []
-    progress: dict[str, list[float]] = {}  # per drafter, E_k for every k: actions share them
-    max_k = max((action.k for action in actions), default=0)  # E_k up to the longest draft asked for
+    terms = []
     for action in actions:
         k, drafter = action.k, action.drafter
         if rounds is None:
@@ -227,12 +236,26 @@ def action_costs_s(actions, features: RequestFeatures, acceptance: dict[str, flo
         else:
             per_round_s = rounds.round_s[drafter][k] if k else rounds.step_s
         if k == 0:
-            costs.append(start_s[action.r, False] + remaining * per_round_s)
+            terms.append((start_s[action.r, False] + remaining * per_round_s, remaining, per_round_s, drafter, 0))
+        else:
+            terms.append((start_s[action.r, drafter == DRAFT_MODEL], remaining, per_round_s, drafter, k))
+    return tuple(terms)
+
+
+def costs_under(terms: Sequence[ActionTerm], acceptance: dict[str, float]) -> list[float]:
+    """Predicted seconds of each action of ``terms`` (``action_terms``) with ``acceptance``
+    per drafter: a drafting action's rounds each advance E_k tokens."""
+    costs = []
+    progress: dict[str, list[float]] = {}  # per drafter, E_k for every k: actions share them
+    max_k = max((term[4] for term in terms), default=0)  # E_k up to the longest draft asked for
+    for start_s, remaining, per_round_s, drafter, k in terms:
+        if k == 0:
+            costs.append(start_s)  # the whole seconds already
             continue
         by_k = progress.get(drafter)
         if by_k is None:
             by_k = progress[drafter] = progress_by_k(acceptance.get(drafter, 0.0), max_k)
-        costs.append(start_s[action.r, drafter == DRAFT_MODEL] + remaining / by_k[k] * per_round_s)
+        costs.append(start_s + remaining / by_k[k] * per_round_s)
     return costs
 
 

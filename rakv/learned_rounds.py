@@ -36,13 +36,14 @@ its rounds.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Mapping, Sequence, cast
 
 import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
-from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds, unstopped_progress
 from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
 
@@ -54,11 +55,17 @@ NONE = -1.0  # a feature with nothing to report yet
 
 
 def repeat_share(prompt_ids: Sequence[int] | np.ndarray, n: int) -> float:
-    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it."""
-    count = len(prompt_ids) - n + 1
-    if count <= 1:
+    """The share of the prompt's n-grams (n = 2 or 3) that occurred earlier in it (once per
+    prompt: requests repeat their prompts, and the count costs a sort)."""
+    if len(prompt_ids) - n + 1 <= 1:
         return 0.0
-    ids = np.asarray(prompt_ids, dtype=np.int64)
+    return _repeat_share(np.asarray(prompt_ids, dtype=np.int64).tobytes(), n)
+
+
+@lru_cache(maxsize=256)  # keyed by the prompt's bytes: 256 prompts of 8K tokens hold 16 MiB
+def _repeat_share(prompt_bytes: bytes, n: int) -> float:
+    ids = np.frombuffer(prompt_bytes, dtype=np.int64)
+    count = len(ids) - n + 1
     shift = 63 // n  # each id in its own bits: n-grams of ids below 2^21 (every tokenizer's) code uniquely
     codes = ids[:count] << (shift * (n - 1))
     for j in range(1, n):
@@ -73,14 +80,26 @@ class RoundModel:
     """Per drafter, the two heads as compiled functions of ``ROUND_FEATURES`` (raw scores),
     and the token priors they were trained with."""
 
+    MAX_ROWS = 65_536  # rows predicted and kept at most (past them, the memo starts again empty)
+
     def __init__(self, heads: Mapping[str, tuple[Callable[..., float], Callable[..., float]]],
                  token_priors: Mapping[str, TokenPrior] | None = None):
         self.heads = dict(heads)
         self.token_priors = dict(token_priors or {})
+        # (drafter, *row) -> prediction: a request that repeats another's prompt and store
+        # state plans from the same rows again (equal features, int or float, predict alike)
+        self._predicted: dict[tuple, tuple[float, float]] = {}
 
     def predict(self, drafter: str, row: Sequence[float]) -> tuple[float, float]:
-        first, further = self.heads[drafter]
-        return sigmoid(first(*row)), sigmoid(further(*row))
+        """(P(m >= 1), P(m >= j + 1 | m >= j)) of ``drafter`` at the features ``row``."""
+        key = (drafter, *row)
+        found = self._predicted.get(key)
+        if found is None:
+            if len(self._predicted) >= self.MAX_ROWS:
+                self._predicted.clear()
+            first, further = self.heads[drafter]
+            found = self._predicted[key] = (sigmoid(first(*row)), sigmoid(further(*row)))
+        return found
 
 
 class _History:
@@ -110,7 +129,7 @@ class LearnedRounds(AdaptiveRounds):
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
         self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM, SUFFIX)}
         self._t = 0
-        self._cheapest = {d: min(self.costs_s[d][1:]) for d in drafters}  # seconds of the cheapest round
+        self._cheapest: dict[str, float] = {}  # per drafter, its cheapest round alone, when first needed
         self._draft_prob = NONE
         self._lengths: Mapping[str, Columns] = {}
         self._tokens: Sequence[int] | np.ndarray = ()
@@ -142,9 +161,11 @@ class LearnedRounds(AdaptiveRounds):
         h = self.history[drafter]
         draft = drafter == DRAFT_MODEL
         a = self.acceptance.get((drafter, signal))
+        if a is None:  # kept: the same value ``estimate`` would give on every later call (as ``AdaptiveRounds.plan``)
+            a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
         return [signal, self.longest_round(drafter, t) if longest is None else longest,
                 cast(RunLengths, self._lengths[NGRAM]).extents[t] if drafter == NGRAM else 0, t,
-                self.num_new_tokens - t, self.estimate(drafter, signal) if a is None else a, h.trials,
+                self.num_new_tokens - t, a, h.trials,
                 h.successes / h.trials if h.trials else NONE, h.last_accepted, h.last_full,
                 t - h.last_t if h.last_t >= 0 else NONE, *h.recent, self.prompt_repeat,
                 self._draft_prob if draft else NONE, self.confidence if draft else NONE, self.token_prior(drafter, t)]
@@ -182,11 +203,16 @@ class LearnedRounds(AdaptiveRounds):
             else:
                 first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t, longest))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)
-                cheapest = self._cheapest[drafter] if costs_s is self.costs_s else costs_s[drafter][1]
+                if costs_s is not self.costs_s:
+                    cheapest = costs_s[drafter][1]
+                elif (cheapest := self._cheapest.get(drafter)) is None:
+                    cheapest = self._cheapest[drafter] = min(self.costs_s[drafter][1:])
                 if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
                     continue
-                stops = self._stop_shares if drafter == DRAFT_MODEL else (0.0, 0.0)
-                progress, costs = run_rounds(first, further, *stops, costs_s[drafter], top)
+                if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
+                    progress, costs = run_rounds(first, further, *self._stop_shares, costs_s[drafter], top)
+                else:  # as ``run_rounds`` prices them, read in place
+                    progress, costs = unstopped_progress(first, further, top), costs_s[drafter]
             beat = best_rate * (1 + 1e-9)
             for k in range(1, top + 1):
                 rate = (offset + progress[k]) / costs[k]

@@ -15,7 +15,7 @@ Invariants:
   part of every bucket key, compared exactly.
 - Every listener (``listeners``: ``added(entry)``, ``removed(entry)``) is told of each
   entry as it enters and leaves, after the index has changed, so a listener's view of the
-  entries is the index's (``rakv.suffix_drafter.SequenceIndex``).
+  entries is the index's (``rakv.sequence_index.SequenceIndex``).
 
 Bucketing: an entry of n tokens is registered under the digests of its first j tokens for
 j = 1 .. min(16, n). A lookup of a prompt P uses the digest of P's first min(16, |P|)

@@ -23,6 +23,7 @@ the timing noise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Mapping, Sequence
 
 from rakv.cost_model import PairTimings, progress_by_k, round_s
@@ -202,14 +203,9 @@ def run_rounds(first: float, further: float, stop_right: float, stop_wrong: floa
     and the round drafts D_k = sum_{j<k} prod_{i<j} c_i tokens, costing ``costs_s`` (per
     whole k) interpolated at D_k. With no stops and first = further these are
     ``progress_by_k`` and ``costs_s``."""
-    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
     if stop_right == 0.0 and stop_wrong == 0.0:  # every round drafts its k: the costs are costs_s
-        progress, kept, reach = [1.0], 1.0, a
-        for _ in range(max_k):
-            kept += reach
-            reach *= further
-            progress.append(kept)
-        return progress, list(costs_s[:max_k + 1])
+        return list(unstopped_progress(first, further, max_k)), list(costs_s[:max_k + 1])
+    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
     keep_right, keep_wrong = 1.0 - stop_right, 1.0 - stop_wrong
     progress, costs = [1.0], [costs_s[0]]
     kept = drafted = 0.0
@@ -225,6 +221,19 @@ def run_rounds(first: float, further: float, stop_right: float, stop_wrong: floa
         costs.append(low if whole >= max_k else low + (drafted - whole) * (costs_s[whole + 1] - low))
         progress.append(1.0 + kept)
     return progress, costs
+
+
+@lru_cache(maxsize=4096)  # the learned planner prices the same predictions again and again (``LearnedRounds``)
+def unstopped_progress(first: float, further: float, max_k: int) -> tuple[float, ...]:
+    """``run_rounds``' (E_0, ..., E_max_k) where no proposal stops early:
+    E_k = 1 + first (1 + further + ... + further^(k-1)), both clamped to [0, 1]."""
+    a, further = min(max(first, 0.0), 1.0), min(max(further, 0.0), 1.0)
+    progress, kept, reach = [1.0], 1.0, a
+    for _ in range(max_k):
+        kept += reach
+        reach *= further
+        progress.append(kept)
+    return tuple(progress)
 
 
 MIN_CONFIDENCE_SAMPLES = 6  # verified draft tokens, both outcomes among them, before a request moves its threshold
@@ -314,12 +323,7 @@ class AdaptiveRounds:
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
-        # Per drafter, the acceptance at or below which none of its rounds can beat that
-        # rate: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
-        # 1 / ((1 - a) * its cheapest round). The 1e-9 keeps float rounding on the safe
-        # side: this only skips work, every drafter above it is priced exactly.
-        self._hopeless = {d: 1.0 - 1.0 / (self._plain_rate * min(self.costs_s[d][1:config.max_k + 1])) - 1e-9
-                          for d in drafters}
+        self._hopeless: dict[str, float] = {}  # per drafter, when first needed (``_hopeless_at``)
         self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
         self._keep = 1.0 - config.recency
         self._max_k = config.max_k
@@ -359,8 +363,8 @@ class AdaptiveRounds:
             if a is None:  # kept: the same value ``estimate`` would give on every later call
                 a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
             if costs_s is self.costs_s:
-                if a <= self._hopeless[drafter]:
-                    continue  # no round of this drafter can win (see __init__)
+                if a <= self._hopeless_at(drafter):
+                    continue  # no round of this drafter can win (``_hopeless_at``)
             elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
                 continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
             progress, costs = self._priced(drafter, signal, a, costs_s[drafter])
@@ -378,6 +382,18 @@ class AdaptiveRounds:
         if load is None or limit is None or load.catch_up_beside_prefill <= limit:
             return None
         return DRAFT_MODEL
+
+    def _hopeless_at(self, drafter: str) -> float:
+        """The acceptance at or below which no round of ``drafter`` alone can beat a plain
+        step: E_k(a) < 1 / (1 - a) for every k, so a round's rate is below
+        1 / ((1 - a) * its cheapest round). The 1e-9 keeps float rounding on the safe side:
+        this only skips work, every drafter above it is priced exactly. Computed when first
+        asked (rounds under load are bounded by the step's prices instead)."""
+        found = self._hopeless.get(drafter)
+        if found is None:
+            cheapest_s = min(self.costs_s[drafter][1:self._max_k + 1])
+            found = self._hopeless[drafter] = 1.0 - 1.0 / (self._plain_rate * cheapest_s) - 1e-9
+        return found
 
     def _prices(self, load: StepLoad | None) -> tuple[float, float, Mapping[str, Sequence[float]]]:
         """(the others' tokens, the rate a round must beat, each drafter's round seconds)

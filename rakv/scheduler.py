@@ -101,7 +101,7 @@ class Seq:
         return self.num_computed < self.prefill_end
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every request in every step, and a frozen init costs 4x
 class Work:
     """One request's part of a step: ``rows`` rows of ``kind``; a round's drafter and k."""
 

@@ -43,7 +43,7 @@ from rakv.drafters import DRAFT_MODEL, MODEL_FREE
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built for every round the scheduler plans, and a frozen init costs 4x
 class StepLoad:
     """The rest of a step, as the scheduler sees it when it plans one request's round."""
 
@@ -157,9 +157,12 @@ def load_prices(load: StepLoad, timings: PairTimings, drafters: tuple[str, ...],
         _, _, others_s = _draft_added(timings.draft, load.draft_depths, max_k)
         base_s += sum(1 for n in load.draft_depths if n) * draft_step_s + others_s
     costs: dict[str, tuple[float, ...]] = {}
+    model_free = None  # the model-free drafters' rounds, priced alike: computed once for all of them
     for drafter in drafters:
         if drafter in MODEL_FREE:
-            costs[drafter] = (base_s,) + tuple(base_s + a + timings.ngram_lookup_s for a in added[1:])
+            if model_free is None:
+                model_free = (base_s,) + tuple(base_s + a + timings.ngram_lookup_s for a in added[1:])
+            costs[drafter] = model_free
         elif drafter == DRAFT_MODEL:
             alone, rows_s, _ = _draft_added(timings.draft, load.draft_depths, max_k)
             costs[drafter] = tuple(base_s + a + n * draft_step_s + r for a, n, r in zip(added, alone, rows_s))

@@ -38,7 +38,7 @@ import numpy as np
 
 from rakv.prefix_index import Entry, PrefixIndex, as_token_array, prefix_digest
 from rakv.rounds import draft_cache_positions
-from rakv.suffix_drafter import SequenceIndex
+from rakv.sequence_index import SequenceIndex
 
 DEFAULT_BUDGET_BYTES = 512 * 2**20
 STORE_MODES = ("full", "prompt", "off")

@@ -7,21 +7,22 @@ sequence's end up in every sequence the store holds (prompts and outputs of earl
 requests, as ``StoreModel`` keeps them) and in the request's own prompt and output so far,
 and proposes what followed the longest match, as SuffixDecoding does (vLLM's ``suffix``).
 
-Index: a hashed n-gram table. Every position p of a sequence with ``key_tokens`` tokens
-before it and at least one after is filed under those tokens (their int64 bytes: the key
-is compared exactly, never by a hash). A lookup takes the most recent ``max_candidates``
-positions filed under the sequence's last ``key_tokens`` tokens (the request's own first,
-then the store's, newest entry first), extends each match backwards (up to ``max_match``
-tokens), keeps those with the longest match, and walks their continuations: at each depth
-the most frequent next token (ties: the earlier candidate) while the share of candidates
-that follow the draft so far stays at least ``min_prob``, for at most ``spec_factor`` x
-the match length tokens (SuffixDecoding's rule).
+Index: a hashed n-gram table of the store's sequences (``rakv.sequence_index``). A lookup
+takes the most recent ``max_candidates`` positions filed under the sequence's last
+``key_tokens`` tokens (the request's own first, then the store's, newest entry first),
+extends each match backwards (up to ``max_match`` tokens), keeps those with the longest
+match, and walks their continuations: at each depth the most frequent next token (ties:
+the earlier candidate) while the share of candidates that follow the draft so far stays at
+least ``min_prob``, for at most ``spec_factor`` x the match length tokens
+(SuffixDecoding's rule).
 
 Exactness: a proposal is a function of the request's tokens so far and of the sequences
 the store holds when it is made. The store model decides what it holds from the request
 order and the store settings, the same in the engine and in a replay, and both look a
 position up when its round is planned (``SuffixColumns``): so the proposals, run lengths
-and rounds replay exactly.
+and rounds replay exactly. Being such a function, an answer is kept by the index until
+a change that reaches it (``rakv.sequence_index.LookupAnswers``), for the requests that
+look the same tokens up again.
 """
 from __future__ import annotations
 
@@ -32,8 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from rakv.drafters import SUFFIX, RunLengths, matching_prefix_length
-TOKEN_BYTES = 8  # keys and sequences are int64 bytes, as the prefix index keeps them (``Entry.token_bytes``)
-_POSITION_BITS = 32  # a filed position is entry_id << 32 | p
+from rakv.sequence_index import TOKEN_BYTES, SequenceIndex
 
 
 @dataclass(frozen=True)
@@ -78,93 +78,6 @@ def suffix_prior(signal: int) -> float:
         return 0.0
     bucket, kind = (signal - 1) % 4 + 1, (signal - 1) // 4
     return SUFFIX_PRIOR_BY_BUCKET[bucket] * (0.6 if kind == SPLIT else 1.0)
-
-
-# -- the store's sequences ------------------------------------------------------------
-class SequenceIndex:
-    """Every position of one namespace's stored sequences, filed by the ``key_tokens``
-    tokens before it (``rakv.prefix_index.PrefixIndex`` tells it of each insert and
-    removal, so it holds exactly the entries the store holds).
-
-    Invariant: under a key, positions are in filing order (entry id, then position), so
-    "most recent" is the same wherever the store model runs. A removed entry's positions
-    are skipped, and dropped when they outnumber the live ones (the order is kept)."""
-
-    def __init__(self, namespace: str, key_tokens: int):
-        self.namespace = namespace
-        self.key_tokens = key_tokens
-        self._sequences: dict[int, bytes] = {}  # entry id -> its tokens' int64 bytes
-        self._positions: dict[bytes, list[int]] = {}  # key -> filed positions
-        self._num_live = self._num_dead = 0
-
-    @classmethod
-    def holding(cls, namespace: str, key_tokens: int, entries) -> "SequenceIndex":
-        """An index of ``entries`` (the namespace's among them), filed in insertion order:
-        what an index kept since the store's start would hold now."""
-        index = cls(namespace, key_tokens)
-        for entry in sorted(entries, key=lambda e: e.entry_id):
-            index.added(entry)
-        return index
-
-    def __len__(self) -> int:
-        return len(self._sequences)
-
-    def added(self, entry) -> None:
-        if entry.namespace != self.namespace:
-            return
-        data = entry.token_bytes
-        self._sequences[entry.entry_id] = data
-        file_positions(self._positions, data, self.key_tokens, len(data) // TOKEN_BYTES,
-                       entry.entry_id << _POSITION_BITS)
-        self._num_live += max(0, len(data) // TOKEN_BYTES - self.key_tokens)
-
-    def removed(self, entry) -> None:
-        data = self._sequences.pop(entry.entry_id, None) if entry.namespace == self.namespace else None
-        if data is None:
-            return
-        filed = max(0, len(data) // TOKEN_BYTES - self.key_tokens)
-        self._num_live -= filed
-        self._num_dead += filed
-        if self._num_dead > max(self._num_live, 4096):
-            self._compact()
-
-    def _compact(self) -> None:
-        live = self._sequences
-        kept = {}
-        for key, filed in self._positions.items():
-            filed = [code for code in filed if code >> _POSITION_BITS in live]
-            if filed:
-                kept[key] = filed
-        self._positions, self._num_dead = kept, 0
-
-    def occurrences(self, key: bytes, limit: int) -> list[tuple[bytes, int]]:
-        """Up to ``limit`` (sequence bytes, position) filed under ``key``, newest first."""
-        filed = self._positions.get(key)
-        if not filed:
-            return []
-        found, sequences = [], self._sequences
-        for code in reversed(filed):
-            data = sequences.get(code >> _POSITION_BITS)
-            if data is not None:
-                found.append((data, code & 0xFFFFFFFF))
-                if len(found) == limit:
-                    break
-        return found
-
-
-def file_positions(table: dict[bytes, list[int]], data: bytes | bytearray, key_tokens: int, stop: int,
-                   code: int = 0) -> None:
-    """File the positions before ``stop`` of the int64 bytes ``data`` (each with a token
-    after it: ``stop`` at most its length) under the ``key_tokens`` tokens before each, as
-    ``code | position``, in position order."""
-    w = TOKEN_BYTES
-    for p in range(key_tokens, stop):
-        key = bytes(data[(p - key_tokens) * w:p * w])
-        filed = table.get(key)
-        if filed is None:
-            table[key] = [code | p]
-        else:
-            filed.append(code | p)
 
 
 # -- one request's drafter ------------------------------------------------------------
@@ -278,7 +191,8 @@ def _common_tokens(low: bytes, high: bytes, depth: int, cap: int) -> int:
 class SuffixDrafter:
     """The store drafter over one request (``rakv.drafters.Drafter``). Its sequence only
     grows, so each length is looked up once (the first time it is asked, at its round's
-    planning: ``SuffixColumns``), however many times it is asked for."""
+    planning: ``SuffixColumns``), however many times it is asked for, and not at all where
+    a request before it looked the same tokens up over the store as it stands."""
 
     name = SUFFIX
 
@@ -286,6 +200,7 @@ class SuffixDrafter:
         self.store, self.config, self.max_k = store, config, max_k
         self._context = b""  # the request's tokens so far (a replay's: all of them), int64 bytes
         self._memo: tuple[int, list[int], int] = (-1, [], 0)  # (length, proposal up to max_k, signal)
+        self._answers = store.answers(config, max_k) if store is not None else None  # shared with other requests
 
     @classmethod
     def over(cls, store, namespace: str, config: SuffixConfig, max_k: int) -> "SuffixDrafter":
@@ -317,13 +232,30 @@ class SuffixDrafter:
             self._context += np.asarray(tokens[known:length], dtype=np.int64).tobytes()
 
     def _lookup(self, tokens: Sequence[int], length: int) -> tuple[list[int], int]:
-        config, w = self.config, TOKEN_BYTES
-        n = config.key_tokens
+        """The answer after the first ``length`` tokens: another request's where it looked
+        the same tokens up over the index as it stands, else searched."""
         self.extend(tokens, length)
+        w, n = TOKEN_BYTES, self.config.key_tokens
         if length < n:
             return [], 0
         context = self._context
         key = context[(length - n) * w:length * w]
+        answers = self._answers
+        if answers is not None:
+            looked_up = context[:length * w]
+            found = answers.get(key, looked_up)
+            if found is not None:
+                return found
+        answer = self._search(context, length, key)
+        if answers is not None:
+            answers.put(key, looked_up, answer)
+        return answer
+
+    def _search(self, context: bytes, length: int, key: bytes) -> tuple[list[int], int]:
+        """``_lookup``'s answer, found over the index and the first ``length`` tokens of
+        ``context`` (of at least ``key_tokens``), the last of which are ``key``."""
+        config, w = self.config, TOKEN_BYTES
+        n = config.key_tokens
         # the request's own positions before ``length`` (a replay may look an earlier length up
         # after a later one), their continuations cut there; then the store's
         candidates = [(context, p, length) for p in own_positions(context, key, length, config.max_candidates)]

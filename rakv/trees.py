@@ -15,6 +15,7 @@ cannot inject code.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable, Sequence
 
 CATEGORICAL, MISSING_MASK = 1, 0b1100  # decision_type bits: a categorical split; the missing-value type
@@ -65,9 +66,11 @@ def _tree_source(tree: dict[str, list[str]], names: Sequence[str], indent: int) 
     return lines
 
 
+@lru_cache(maxsize=32)  # a replay loads a policy's files afresh for every run; compiling is what costs
 def compile_model(text: str, num_features: int) -> Callable[..., float]:
     """The raw score of a LightGBM text model as a function of ``num_features`` positional
-    floats, bit for bit the sum LightGBM adds up (trees in order, from 0.0)."""
+    floats, bit for bit the sum LightGBM adds up (trees in order, from 0.0). A pure
+    function: the same text gives the same function, compiled once."""
     names = [f"x{i}" for i in range(num_features)]
     source = [f"def predict({', '.join(names)}):", "    s = 0.0"]
     for tree in _trees(text):

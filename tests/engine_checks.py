@@ -9,8 +9,9 @@ from rakv.decoding import draft_predictions
 from rakv.round_planner import MAX_DRAFT_LENGTH
 from rakv.drafters import NGRAM, RunLengths, ngram_run_lengths
 from rakv.engine import Engine
+from rakv.sequence_index import SequenceIndex
 from rakv.settings import EngineConfig
-from rakv.suffix_drafter import SUFFIX, SequenceIndex, SuffixColumns, SuffixDrafter
+from rakv.suffix_drafter import SUFFIX, SuffixColumns, SuffixDrafter
 
 
 def run_mix(pair, policy_name, prompts, max_new_tokens, store=None, config=EngineConfig()):

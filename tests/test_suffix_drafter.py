@@ -9,9 +9,9 @@ import pytest
 from conftest import hf_greedy, policy_for
 from engine_checks import assert_rounds_replay, run_mix
 from rakv.controller import ControllerConfig, CostModelPolicy
+from rakv.sequence_index import file_positions
 from rakv.store_model import ModelSizes, StoreConfig, StoreModel
-from rakv.suffix_drafter import (SuffixConfig, SuffixDrafter, file_positions, own_positions, suffix_signal,
-                                 walk_continuations)
+from rakv.suffix_drafter import SuffixConfig, SuffixDrafter, own_positions, suffix_signal, walk_continuations
 
 NS = "target"
 SIZES = ModelSizes(kv_bytes_per_token=8, logits_bytes=8)
@@ -122,6 +122,19 @@ def test_an_evicted_sequence_leaves_the_index():
     assert store.num_evictions == 1 and len(index) == 1
     assert propose(store, [9] + BASE[:20]) == ([], 0)
     assert propose(store, [9] + BASE[60:80])[0] == BASE[80:96]
+
+
+def test_requests_share_an_answer_until_the_store_changes_under_its_key():
+    store = store_of([1] + BASE[:30])
+    query = [5] + BASE[:20]
+    first = propose(store, query)
+    assert first == (BASE[20:30], suffix_signal(20, 1, 1.0))
+    assert propose(store, query)[0] is first[0]  # another request, the same tokens, the same store: kept
+    store.commit(store.plan_insert(NS, [3, 4, 5, 6], (), SIZES))  # files none of the query's key
+    assert propose(store, query)[0] is first[0]
+    store.commit(store.plan_insert(NS, [2] + BASE[:60], (), SIZES))  # a longer continuation now
+    assert propose(store, query) == (BASE[20:36], suffix_signal(20, 2, 1.0))
+    assert propose(store, query) == propose(store_of([1] + BASE[:30], [2] + BASE[:60]), query)
 
 
 def test_an_index_built_late_holds_what_one_kept_all_along_would():
