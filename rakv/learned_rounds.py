@@ -43,7 +43,8 @@ import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
-from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, run_rounds, unstopped_progress
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts
+from rakv.round_yield import run_rounds, unstopped_progress
 from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
 

@@ -253,7 +253,7 @@ def test_confidence_threshold_follows_the_request_by_hfs_rule():
     """Among the observed probabilities, the threshold minimising false continues per
     wrong token + 3 false stops per right token; the start value until 6 samples of both
     outcomes; kept within CONFIDENCE_RANGE."""
-    from rakv.round_planner import confidence_threshold
+    from rakv.round_yield import confidence_threshold
     right = [(0.9, True), (0.8, True), (0.7, True), (0.35, True)]
     wrong = [(0.3, False), (0.2, False), (0.6, False)]
     assert confidence_threshold(right[:3] + wrong[:2], 0.4) == 0.4  # 5 samples
@@ -265,7 +265,7 @@ def test_confidence_threshold_follows_the_request_by_hfs_rule():
 
 
 def test_stopped_rounds_price_a_threshold_that_stops_wrong_tokens():
-    from rakv.round_planner import stop_shares, stopped_rounds
+    from rakv.round_yield import stop_shares, stopped_rounds
     costs = [1.0] + [2.0 + 0.25 * k for k in range(1, 17)]
     progress, same = stopped_rounds(0.9, 0.0, 0.0, costs, 16)
     assert progress == pytest.approx(progress_by_k(0.9, 16)) and same == pytest.approx(costs)
