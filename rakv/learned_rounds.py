@@ -161,12 +161,9 @@ class LearnedRounds(AdaptiveRounds):
         ``longest_round`` at t, where known."""
         h = self.history[drafter]
         draft = drafter == DRAFT_MODEL
-        a = self.acceptance.get((drafter, signal))
-        if a is None:  # kept: the same value ``estimate`` would give on every later call (as ``AdaptiveRounds.plan``)
-            a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
         return [signal, self.longest_round(drafter, t) if longest is None else longest,
                 cast(RunLengths, self._lengths[NGRAM]).extents[t] if drafter == NGRAM else 0, t,
-                self.num_new_tokens - t, a, h.trials,
+                self.num_new_tokens - t, self.estimate(drafter, signal), h.trials,
                 h.successes / h.trials if h.trials else NONE, h.last_accepted, h.last_full,
                 t - h.last_t if h.last_t >= 0 else NONE, *h.recent, self.prompt_repeat,
                 self._draft_prob if draft else NONE, self.confidence if draft else NONE, self.token_prior(drafter, t)]

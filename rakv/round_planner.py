@@ -239,9 +239,13 @@ class AdaptiveRounds:
         self._counts = _Counts()
 
     def estimate(self, drafter: str, signal: int) -> float:
-        if (drafter, signal) in self.acceptance:
-            return self.acceptance[drafter, signal]
-        return initial_estimate(drafter, signal, self.fallback)
+        """The request's acceptance of ``drafter`` under ``signal``; under a signal not seen
+        before ``initial_estimate``, kept (the value every later call would give: the
+        planners read it on every iteration)."""
+        a = self.acceptance.get((drafter, signal))
+        if a is None:
+            a = self.acceptance[drafter, signal] = initial_estimate(drafter, signal, self.fallback)
+        return a
 
     def bind(self, lengths: Mapping[str, Columns], tokens: Sequence[int] = ()) -> None:
         pass  # the signals are all it reads
@@ -264,9 +268,7 @@ class AdaptiveRounds:
             if not top:
                 continue  # even its shortest round would make the step too slow
             signal = signals[drafter]
-            a = self.acceptance.get((drafter, signal))
-            if a is None:  # kept: the same value ``estimate`` would give on every later call
-                a = self.acceptance[drafter, signal] = self.estimate(drafter, signal)
+            a = self.estimate(drafter, signal)
             if costs_s is self.costs_s:
                 if a <= self._hopeless_at(drafter):
                     continue  # no round of this drafter can win (``_hopeless_at``)
@@ -336,8 +338,7 @@ class AdaptiveRounds:
         self._counts.add(drafter, signal, num_proposed, accepted)
         keep = self._keep
         # ``accepted`` successes then, maybe, one failure, each moving the estimate by recency
-        a = self.acceptance.get((drafter, signal))
-        miss = 1.0 - (a if a is not None else self.estimate(drafter, signal))
+        miss = 1.0 - self.estimate(drafter, signal)
         rate = 1.0 - miss * keep ** accepted
         self.acceptance[drafter, signal] = rate * keep if accepted < num_proposed else rate
 

@@ -97,6 +97,11 @@ class Seq:
         return self.num_tokens - self.num_prompt
 
     @property
+    def draft_behind(self) -> int:
+        """Positions a round of its draft model first catches up on (``draft_seen``'s lag)."""
+        return self.num_tokens - self.draft_seen
+
+    @property
     def prefilling(self) -> bool:
         return self.num_computed < self.prefill_end
 
@@ -207,7 +212,7 @@ class Scheduler:
             unplanned = num_alive - i - 1
             load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths),
                             _bounds_beside(seq, paces) if paces else (),
-                            seq.num_tokens - seq.draft_seen if prefills else 0)
+                            seq.draft_behind if prefills else 0)
             drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
             budget -= k + 1

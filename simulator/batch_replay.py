@@ -134,7 +134,7 @@ class BatchReplay:
         does not see)."""
         if work.kind != VERIFY or work.drafter != DRAFT_MODEL:
             return 0
-        return work.seq.num_tokens - work.seq.draft_seen
+        return work.seq.draft_behind
 
     def _row_cut(self, work: Work) -> int | None:
         if work.kind != VERIFY:

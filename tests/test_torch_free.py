@@ -11,11 +11,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCH_FREE_PACKAGES = ("simulator", "policy")  # every module of each, found on disk: a new one is checked too
 TORCH_FREE_ELSEWHERE = (  # the torch-free modules of rakv and profiler, which also hold torch code
     "rakv.prefix_index, rakv.store_model, rakv.controller, rakv.cost_model, rakv.acceptance, "
-    "rakv.round_planner, rakv.round_yield, rakv.step_load, rakv.settings, rakv.sequence_index, rakv.suffix_drafter, rakv.drafters, "
-    "rakv.choices, rakv.learned, rakv.learned_rounds, rakv.policies, rakv.trees, rakv.prompt_file, "
-    "rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, rakv.scheduler, profiler.schema, "
-    "profiler.trace_io, profiler.workloads, profiler.arrivals, profiler.serve_record, "
-    "profiler.serve_summary")
+    "rakv.round_planner, rakv.round_yield, rakv.step_load, rakv.settings, rakv.sequence_index, "
+    "rakv.suffix_drafter, rakv.drafters, rakv.choices, rakv.learned, rakv.learned_rounds, rakv.policies, "
+    "rakv.trees, rakv.prompt_file, rakv.op_timing, rakv.cpu_linear, rakv.models, rakv.rounds, "
+    "rakv.scheduler, profiler.schema, profiler.trace_io, profiler.workloads, profiler.arrivals, "
+    "profiler.serve_record, profiler.serve_summary")
 
 
 def _package_modules() -> list[str]:
