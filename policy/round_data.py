@@ -8,11 +8,14 @@ a ``LearnedRounds`` planner that logs its features at every round start: without
 it plans as ``rakv``'s adaptive planner, with one as the learned planner (the states that
 planner visits: the second pass of training). The label is exact, from the run lengths:
 m_t, capped where a round could see no further (the planner's max_k; a model-free
-drafter's proposal length). The store drafter's run lengths are not in the trace (they
-depend on what the store holds): the replay looks them up over its store, as it replays
-that drafter's rounds. No recorded trace repeats a request, and served workloads do:
-``collect(repeat=True)`` walks the requests a second time through the same store, for
-the store drafter's rounds on a stored answer (``policy.train --repeat``, the default).
+drafter's proposal length).
+
+Only the drafters in ``LEARNED`` get rows. The store drafter's acceptance is what the store
+holds for the workload being served: how often its requests repeat earlier ones, which
+no recorded trace shows (none repeats a request; walking one twice taught the heads a
+single repeat rate, and they drafted shorter store rounds than ``rakv`` wherever requests
+repeat more). The policy's running estimate by signal measures it as it serves, so the
+learned planner plans that drafter's rounds as ``rakv`` does (``rakv.learned``).
 
 ``token_prior`` is made from the labels: a first pass logs none, ``token_prior`` makes the
 table from the training rows, and ``DrafterRows.with_token_prior`` fills the column in.
@@ -34,14 +37,14 @@ import numpy as np
 
 from rakv.controller import ControllerConfig, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL
+from rakv.drafters import DRAFT_MODEL, NGRAM
 from rakv.learned import LearnedPolicy, PolicyFile
 from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior
 from rakv.settings import DecisionInputs
-from rakv.suffix_drafter import SUFFIX
 from simulator.session import Session, replayed_lengths
 from simulator.trace import Trace
 
+LEARNED = (DRAFT_MODEL, NGRAM)  # the drafters with heads (see the module docstring)
 SPLITS = ("train", "validation", "test")
 SPLIT_SHARES = (0.6, 0.2, 0.2)
 
@@ -124,26 +127,19 @@ class ReadyingAll:
 
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
-            model: RoundModel | None = None, repeat: bool = False) -> dict[str, DrafterRows]:
-    """Per drafter, the decision points of every request of ``trace`` (see the module
-    docstring). ``repeat``: the requests are then walked a second time through the same
-    store, and the store drafter's decision points of that pass are kept too: its rounds
-    where a request repeats an earlier one, as a served workload's repeats find the store
-    (the other drafters' run lengths do not depend on the store, so their rows of that pass
-    would only count each request twice)."""
+            model: RoundModel | None = None) -> dict[str, DrafterRows]:
+    """Per drafter of ``LEARNED``, the decision points of every request of ``trace`` (see
+    the module docstring)."""
     policy = ReadyingAll(inputs, controller, draft_prior, model)
     session = Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
     found: dict[str, list] = {}
-    passes = [(request, None) for request in trace.requests]
-    if repeat:
-        passes += [(request, SUFFIX) for request in trace.requests]
-    for request, only in passes:
+    for request in trace.requests:
         replayed = session.run(request, request.max_new_tokens)
         planner, log = policy.logs[-1]
         lengths_of = replayed_lengths(request, replayed)
         family, n = request.group_id, len(request.prompt_ids)
         for t, drafter, row in log:
-            if only is not None and drafter != only:
+            if drafter not in LEARNED:
                 continue
             cap = planner.longest_round(drafter, t)
             found.setdefault(drafter, []).append((row, min(lengths_of[drafter].runs[t], cap), cap, family,

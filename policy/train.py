@@ -5,8 +5,8 @@
     python -m policy.train ... --storage postgresql+psycopg://postgres@/optuna?host=/tmp/pg --study shared
 
 The decision points of every request are labelled with each drafter's run length
-(``policy.round_data``; with ``--repeat``, the default, the store drafter's also where a
-request repeats an earlier one); families are split train / validation / test, and the test
+(``policy.round_data``: the draft model's and prompt lookup's; the store drafter is left to
+the policy's running estimate); families are split train / validation / test, and the test
 families never reach fitting or tuning. Per drafter two LightGBM heads are fitted: P(m >= 1)
 and P(m >= j + 1 | m >= j) (``rakv.learned_rounds``). Optuna (seeded TPE, median pruning)
 tunes the trees and the planner's margin and confidence threshold (``planner.min_gain``,
@@ -65,10 +65,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<out>.optuna.db)")
     p.add_argument("--study", default=None, help="study name (default: the --out directory's name)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the trees and the sampler (default: 0)")
-    p.add_argument("--repeat", action=argparse.BooleanOptionalAction, default=True,
-                   help="also learn the store drafter where a request repeats an earlier one, as served workloads "
-                        "and resampled sweeps do: each trace's requests are walked a second time through the same "
-                        "store (policy.round_data.collect; default: on)")
     p.add_argument("--worker", type=int, default=0, help="this worker's number: its sampler seed is seed + worker")
     p.add_argument("--no-export", action="store_true", help="tune only (a worker beside another that exports)")
     load = p.add_argument_group("under load (serving traces: profiler.record --grid serving --serve-rate)")
@@ -109,7 +105,7 @@ class Data:
     """The traces, their timings and today's decision inputs; the family split; the
     decision points of the first pass (the analytic planner's)."""
 
-    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int, repeat: bool = True):
+    def __init__(self, paths: list[Path], timing_path: Path | None, seed: int):
         self.sources = []
         for path in paths:
             trace = load_trace(path)
@@ -124,7 +120,7 @@ class Data:
             for r in trace.requests:
                 counts[r.group_id] = counts.get(r.group_id, 0) + 1
         self.split = split_families(counts, seed)
-        self.seed, self.repeat = seed, repeat
+        self.seed = seed
         self._first_pass: dict[tuple, dict[str, DrafterRows]] = {}
         draft_rows = self.rows(None, ("train",), ControllerConfig(), 0.5).get("draft")
         self.draft_prior = draft_acceptance(draft_rows) if draft_rows is not None else 0.5
@@ -141,8 +137,7 @@ class Data:
             return self._first_pass[key]
         families, found = self.families(*splits), {}
         for trace, _, inputs in self.sources:
-            for drafter, rows in collect(subset(trace, families), inputs, controller, draft_prior, model,
-                                          self.repeat).items():
+            for drafter, rows in collect(subset(trace, families), inputs, controller, draft_prior, model).items():
                 found.setdefault(drafter, []).append(rows)
         rows = {d: DrafterRows.concat(parts) for d, parts in found.items()}
         if model is None:
@@ -357,7 +352,6 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
         "models": [{"target": t.target_namespace, "draft": t.draft_namespace} for t in traces],
         "controller": settings_to_json(controller), "metrics": report,
         "split": {"seed": data.seed, "by": "prefix family", "traces": [t.path.name for t in traces],
-                  "repeat": data.repeat,
                   "test_families": sorted(test)}})
     return report
 
@@ -366,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
     start = time.perf_counter()
-    data = Data(args.trace, args.timing, args.seed, args.repeat)
+    data = Data(args.trace, args.timing, args.seed)
     sweeps = load_sweeps(args, data.sources[0][0].meta.models.get("pair"))
     storage = args.storage or f"sqlite:///{args.out.parent.resolve() / (args.out.name + '.optuna.db')}"
     args.out.parent.mkdir(parents=True, exist_ok=True)

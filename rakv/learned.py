@@ -19,13 +19,16 @@ trained for other models.
 
 A learned policy runs with the controller settings it was tuned with (the sidecar's:
 ``LearnedPolicy.controller``), whatever the caller's are; only the memory limit, a
-property of the machine, is the caller's. Its rounds start each request from fixed
-priors, not from the requests before (the model has learnt the pair's), so a request's
-rounds depend on the request alone, and a replay computes them once per request
-(``memo_key``), unless the store drafter is ready: its proposals depend on what the store
-holds. A drafter without heads in the policy (the store drafter, where its training
-traces gave it too few rounds) has its rounds priced as ``rakv`` prices them (its estimate
-by signal, geometric runs).
+property of the machine, is the caller's. A drafter with heads has its rounds start each
+request from fixed priors, not from the requests before (the model has learnt the
+pair's), so where only such drafters are ready a request's rounds depend on the request
+alone, and a replay computes them once per request (``memo_key``). A drafter without heads
+(the store drafter, which ``policy.train`` leaves to the EWMA part; any drafter whose
+training traces gave it too few rounds) has its rounds planned as ``rakv`` plans them:
+from the policy's running estimate by signal, carried across requests, with geometric
+runs. The store drafter's acceptance is what the store holds for this workload now (how
+often requests repeat earlier ones), which no recorded trace shows and the running
+estimate measures.
 """
 from __future__ import annotations
 
@@ -165,7 +168,9 @@ class LearnedPolicy:
     def planner(self, features: RequestFeatures, action: Action, log: list | None = None) -> LearnedRounds:
         """``log``: where the planner appends its decisions' features (training data)."""
         drafters, config, costs = self.analytic.planner_setup(features, action)
-        return LearnedRounds(drafters, {}, self.start, costs, config, self.file.model, features.num_prompt_tokens,
+        heads = self.file.model.heads if self.file.model is not None else {}
+        carried = {key: a for key, a in self.analytic.signal_acceptance.items() if key[0] not in heads}
+        return LearnedRounds(drafters, carried, self.start, costs, config, self.file.model, features.num_prompt_tokens,
                              features.num_new_tokens, repeat_share(features.prompt_ids, 3), log)
 
     def observe(self, outcome: RequestOutcome) -> None:

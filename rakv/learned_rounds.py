@@ -15,9 +15,9 @@ The features (``ROUND_FEATURES``), per drafter at output position t:
   match extended backwards);
 - ``position`` and ``tokens_left``;
 - the request's own running counts, the EWMA part: the planner's per-(drafter, signal)
-  acceptance estimate (``AdaptiveRounds``, started from fixed priors, not from other
-  requests, so a request's rounds depend on the request alone), its trials, the drafter's
-  rate so far;
+  acceptance estimate (``AdaptiveRounds``; for a drafter with a model, started from fixed
+  priors, not from other requests, so its rounds depend on the request alone), its
+  trials, the drafter's rate so far;
 - the recent rounds: what the drafter's last proposal had accepted, whether all of it,
   how long ago, and the last three outcomes;
 - ``prompt_repeat``: how repetitive the prompt is (the share of its 3-grams seen before);
@@ -31,8 +31,9 @@ All are functions of the tokens, the run lengths, the signals and the probabilit
 trace stores (up to each round's first wrong token, as the engine computed them), so the
 learned planner's rounds replay exactly (the store drafter's run lengths and signals are
 not in a trace: a replay looks them up over its store, as the engine does). The EWMA part
-is also the fallback: without a model for a drafter, ``AdaptiveRounds``' estimate prices
-its rounds.
+also plans the drafters without a model (the store drafter, ``policy.round_data.LEARNED``):
+``AdaptiveRounds``' estimate prices their rounds, started from the policy's running
+estimate where ``LearnedPolicy`` carries one.
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ class LearnedRounds(AdaptiveRounds):
                  num_prompt: int, num_new_tokens: int, prompt_repeat: float, log: list | None = None):
         super().__init__(drafters, priors, fallback, costs, config)
         self.model, self.log = model, log
+        self._carried = bool(priors)  # estimates from the requests before (``LearnedPolicy.planner``)
         # without a model (a first pass), ``token_prior`` is logged as NONE: the table is made from its labels
         self.token_priors = model.token_priors if model is not None else {}
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
@@ -142,8 +144,9 @@ class LearnedRounds(AdaptiveRounds):
     @property
     def memo_key(self) -> tuple | None:
         """Its rounds depend on the request alone, so a replay computes them once per
-        request; not with the store drafter ready, whose proposals depend on the store."""
-        if self.log is not None or SUFFIX in self.drafters:
+        request; not with the store drafter ready, whose proposals depend on the store, nor
+        where a drafter's estimates were carried from the requests before."""
+        if self.log is not None or SUFFIX in self.drafters or self._carried:
             return None
         return "learned", id(self.model), self.drafters, self._max_k
 

@@ -26,7 +26,7 @@ from profiler import policy_copies
 from profiler.record import main as record
 from rakv.acceptance import comparable_rounds
 from rakv.controller import ControllerConfig
-from rakv.cost_model import Action
+from rakv.cost_model import Action, RequestFeatures
 from rakv.learned import LearnedPolicy, PolicyFileError, load_policy
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
 from rakv.settings import Settings, settings_to_json
@@ -49,6 +49,8 @@ def trace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(trace, tmp_path_factory):
     out = tmp_path_factory.mktemp("policies") / "tiny"
+    out.mkdir()
+    (out / "suffix.first.txt").write_text("tree\n")  # an earlier policy's head, which this one has not
     assert train_main(["--trace", str(trace), "--out", str(out), "--trials", "4"]) == 0
     return out
 
@@ -57,10 +59,9 @@ def test_round_rows_label_every_decision_point_and_families_stay_together(trace)
     loaded = load_trace(trace)
     inputs = load_timing(None, loaded).decision_inputs(loaded, Settings())
     rows = collect(loaded, inputs, ControllerConfig(), 0.5)
-    # the chat revisions copy their own answers, which the store also holds: rows of all three
-    assert set(rows) == {"draft", "ngram", "suffix"}
+    assert set(rows) == {"draft", "ngram"}  # the store drafter is the running estimate's (``LEARNED``)
     for drafter, r in rows.items():
-        assert r.x.shape == (len(r.run), len(ROUND_FEATURES)) and len(r.run) > (20 if drafter != "suffix" else 0)
+        assert r.x.shape == (len(r.run), len(ROUND_FEATURES)) and len(r.run) > 20
         assert np.all((0 <= r.run) & (r.run <= r.cap)) and np.all((1 <= r.cap) & (r.cap <= 16))
         keep, share, weight = further_target(r)
         assert np.all((0 <= share) & (share <= 1)) and np.all(weight >= 1) and keep.sum() <= (r.run >= 1).sum()
@@ -77,30 +78,13 @@ def test_round_rows_label_every_decision_point_and_families_stay_together(trace)
     assert set(split.values()) == {"train", "validation", "test"} and set(split) == set(counts)
 
 
-def test_the_repeat_pass_adds_the_store_drafters_rounds_on_repeated_requests(trace):
-    """``collect(repeat=True)`` walks the requests again through the same store: the first
-    pass's rows are unchanged, the store drafter's rows of the second pass are added (each
-    request's answer is in the store by then, so every round there accepts), and no other
-    drafter's (their run lengths do not depend on the store)."""
-    loaded = load_trace(trace)
-    inputs = load_timing(None, loaded).decision_inputs(loaded, Settings())
-    once = collect(loaded, inputs, ControllerConfig(), 0.5)
-    twice = collect(loaded, inputs, ControllerConfig(), 0.5, repeat=True)
-    for drafter in ("draft", "ngram"):
-        assert np.array_equal(twice[drafter].x, once[drafter].x) and np.array_equal(twice[drafter].run,
-                                                                                    once[drafter].run)
-    first, both = once["suffix"], twice["suffix"]
-    n = len(first.run)
-    assert np.array_equal(both.x[:n], first.x) and np.array_equal(both.run[:n], first.run)
-    assert len(both.run) > 2 * n and np.all(both.run[n:] >= 1) and both.run[n:].mean() > 2 * first.run.mean()
-
-
 def test_export_is_text_and_json_and_compiled_as_lightgbm_predicts(trained, trace):
     sidecar = json.loads((trained / "policy.json").read_text())
     for key in ("features", "heads", "draft_prior", "schema_version", "hardware", "models", "controller", "metrics",
                 "split"):
         assert key in sidecar
     assert sidecar["heads"] and sidecar["split"]["by"] == "prefix family"
+    assert not (trained / "suffix.first.txt").exists()  # gone with the policy that had it
     import lightgbm as lgb
     policy = load_policy(trained)
     loaded = load_trace(trace)
@@ -331,6 +315,24 @@ def test_learned_planner_drafts_from_the_store_and_its_rounds_replay_exactly(tra
     assert all("suffix" in p.drafters for p in planners)
     assert sum(r.accepted for r in results[2].rounds if r.drafter == "suffix") >= 16
     assert assert_rounds_replay(tiny_pair, prompts, results, planners, 24) >= len(results[2].rounds)
+
+
+def test_the_store_drafters_rounds_start_from_the_policys_running_estimate(trained, tiny_pair):
+    """A drafter without heads (the store drafter: ``policy.round_data.LEARNED``) starts each
+    request's rounds from the policy's running estimate by signal, carried across requests
+    as ``rakv``'s; the drafters with heads start every request from the same priors."""
+    policy = _Drafting(load_policy(trained), _fixed_prices(tiny_pair))
+    prompt = tiny_pair.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    results, planners = run_mix(tiny_pair, policy, [prompt, prompt, prompt], 24)
+    assert sum(r.accepted for r in results[1].rounds if r.drafter == "suffix") >= 16  # the repeat drafts from the store
+    assert not planners[0].acceptance  # nothing seen yet
+    assert planners[2].acceptance and {d for d, _ in planners[2].acceptance} == {"suffix"}
+    seen = policy.analytic.signal_acceptance
+    assert {d for d, _ in seen} > {"suffix"}  # the draft model's and prompt lookup's are not carried
+    features = RequestFeatures(len(prompt), 24, 0, 0, False, prompt_ids=np.array(prompt))
+    planner = LearnedPolicy.planner(policy, features, Action(0, 1, "draft"))
+    assert planner.acceptance == {key: a for key, a in seen.items() if key[0] == "suffix"}
+    assert planner.memo_key is None  # its rounds depend on the requests before
 
 
 def test_learned_policy_runs_live(trained, tiny_pair):
