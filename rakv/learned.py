@@ -166,7 +166,8 @@ class LearnedPolicy:
         return self.analytic.decide(features)
 
     def planner(self, features: RequestFeatures, action: Action, log: list | None = None) -> LearnedRounds:
-        """``log``: where the planner appends its decisions' features (training data)."""
+        """``log``: where the planner appends its decisions' features (training data). The
+        drafters without heads start from the policy's running estimates by signal."""
         drafters, config, costs = self.analytic.planner_setup(features, action)
         heads = self.file.model.heads if self.file.model is not None else {}
         carried = {key: a for key, a in self.analytic.signal_acceptance.items() if key[0] not in heads}
