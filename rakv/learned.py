@@ -170,7 +170,8 @@ class LearnedPolicy:
         drafters without heads start from the policy's running estimates by signal."""
         drafters, config, costs = self.analytic.planner_setup(features, action)
         heads = self.file.model.heads if self.file.model is not None else {}
-        carried = {key: a for key, a in self.analytic.signal_acceptance.items() if key[0] not in heads}
+        carried = {key: a for key, a in self.analytic.signal_acceptance.items()
+                   if key[0] in drafters and key[0] not in heads}
         return LearnedRounds(drafters, carried, self.start, costs, config, self.file.model, features.num_prompt_tokens,
                              features.num_new_tokens, repeat_share(features.prompt_ids, 3), log)
 
