@@ -24,6 +24,11 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   none and counts nowhere).
 - Per load, the best fixed policy (``rakv.choices``) by goodput, or by tok/s without an
   SLO, is marked: what a policy that adapts must beat.
+- Over a sweep of several loads under an SLO (``SweepSummary``): each policy's goodput
+  summed over the loads against the best single fixed policy's, the same sum for the best
+  of all the policies at each load chosen in hindsight (the envelope of what was
+  replayed), and the loads where a policy kept fewer requests within the SLO than
+  ``kv-only``.
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
 loads, the requests and the seed (every load starts from an empty store and a fresh
@@ -144,6 +149,58 @@ def mark_best_fixed(results: list[LoadResult]) -> list[LoadResult]:
     return [replace(r, best_fixed=True) if best.get(r.load) is r else r for r in results]
 
 
+@dataclass(frozen=True)
+class SweepSummary:
+    """Goodput summed over a sweep's loads (req/s), per policy in the order replayed."""
+
+    num_loads: int
+    goodput_per_s: dict[str, float]
+    best_fixed: str  # the fixed policy of the highest sum
+    envelope_per_s: float  # at each load the best policy's goodput, in hindsight, summed
+    below_kv_only: dict[str, tuple[str, ...]]  # per adaptive policy, the loads where it met the SLO less often
+
+    def over_best_fixed(self, goodput_per_s: float) -> float:
+        return goodput_per_s / self.goodput_per_s[self.best_fixed] - 1.0
+
+
+def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
+    """The sweep's summary; None for one load, without an SLO or without a fixed policy."""
+    loads = list(dict.fromkeys(r.load for r in results))
+    if len(loads) < 2 or any(r.goodput_per_s is None for r in results):
+        return None
+    totals: dict[str, float] = defaultdict(float)
+    best_at: dict[str, float] = defaultdict(float)
+    for r in results:
+        totals[r.policy] += r.goodput_per_s
+        best_at[r.load] = max(best_at[r.load], r.goodput_per_s)
+    fixed = [name for name in totals if name in FIXED]
+    if not fixed:
+        return None
+    kv_only = {r.load: r.num_meeting_slo for r in results if r.policy == "kv-only"}
+    below: dict[str, list[str]] = defaultdict(list)
+    for r in results:
+        if r.policy not in FIXED and r.load in kv_only and r.num_meeting_slo < kv_only[r.load]:
+            below[r.policy].append(r.load)
+    return SweepSummary(len(loads), dict(totals), max(fixed, key=totals.__getitem__), sum(best_at.values()),
+                        {name: tuple(found) for name, found in below.items()})
+
+
+def summary_lines(summary: SweepSummary) -> list[str]:
+    best = summary.best_fixed
+    adaptive = [name for name in summary.goodput_per_s if name not in FIXED]
+    over = "".join(f"; {name} {summary.goodput_per_s[name]:.3f} "
+                   f"({100 * summary.over_best_fixed(summary.goodput_per_s[name]):+.1f} %)" for name in adaptive)
+    envelope = summary.envelope_per_s
+    lines = [f"Over the sweep, goodput summed over its {summary.num_loads} loads (req/s): the best single fixed "
+             f"policy {best} {summary.goodput_per_s[best]:.3f}{over}; the best of the policies replayed at each "
+             f"load, in hindsight, {envelope:.3f} ({100 * summary.over_best_fixed(envelope):+.1f} %)"]
+    if "kv-only" in summary.goodput_per_s and adaptive:
+        below = "; ".join(f"{name} at {', '.join(summary.below_kv_only[name])}" for name in adaptive
+                          if summary.below_kv_only.get(name))
+        lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
+    return lines
+
+
 def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loads: list[Load],
                  slo: Slo | None = None) -> list[LoadResult]:
     """Every named policy at every load, in that order (load by load)."""
@@ -193,6 +250,9 @@ def markdown(results: list[LoadResult], title: str) -> str:
         lines.append(f"* the best fixed policy at its load by {f'goodput ({slo})' if slo else 'output tok/s'}")
     lines.append("share speculating: of the rounds (decode and verify works), those with k > 0; by batch size: "
                  "the same by the number of rounds in their step")
+    summary = sweep_summary(results)
+    if summary is not None:
+        lines += [""] + summary_lines(summary)
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ draft catch-up waits for a step without another's prefill; bad input is one line
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,8 @@ from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from rakv.settings import Settings, override
 from simulator import serve_validate
-from simulator.load_replay import LoadResult, mark_best_fixed, speculation_by_batch, summarize_load
+from simulator.load_replay import (LoadResult, mark_best_fixed, speculation_by_batch, summarize_load,
+                                   summary_lines, sweep_summary)
 from simulator.replay import main as replay_main
 from simulator.serve_sim import LoadRun, TimedRequest
 from simulator.trace import load_trace
@@ -95,6 +96,27 @@ def test_the_best_fixed_policy_is_marked_per_load():
                LoadResult(**{**base.__dict__, "load": "c=2"})]
     marked = mark_best_fixed(results)
     assert [(r.load, r.policy) for r in marked if r.best_fixed] == [("c=1", "spec-k4"), ("c=2", "ar")]
+
+
+def test_a_sweep_is_summed_against_the_best_single_fixed_policy():
+    """Goodput summed over the loads: the best fixed policy over the whole sweep (not per
+    load), each adaptive policy against it, the best of all at each load in hindsight, and
+    the loads where an adaptive policy met the SLO less often than ``kv-only``."""
+    base = summarize_load("rate=1", "kv-only", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)]), parse_slo("ttft=5"))
+    met = {("rate=1", "kv-only"): 10, ("rate=1", "joint-suffix-k8"): 9, ("rate=1", "joint-suffix-k1"): 12,
+           ("rate=1", "rakv"): 9, ("rate=2", "kv-only"): 2, ("rate=2", "joint-suffix-k8"): 20,
+           ("rate=2", "joint-suffix-k1"): 4, ("rate=2", "rakv"): 24}
+    results = [LoadResult(**{**base.__dict__, "load": load, "policy": policy, "num_meeting_slo": n,
+                             "goodput_per_s": n / 10}) for (load, policy), n in met.items()]
+    summary = sweep_summary(results)
+    assert summary.best_fixed == "joint-suffix-k8"  # 2.9 req/s over the sweep; joint-suffix-k1 1.6, best at rate=1
+    assert summary.over_best_fixed(summary.goodput_per_s["rakv"]) == pytest.approx(3.3 / 2.9 - 1)
+    assert summary.envelope_per_s == pytest.approx(1.2 + 2.4)
+    assert summary.below_kv_only == {"rakv": ("rate=1",)}
+    lines = summary_lines(summary)
+    assert "joint-suffix-k8 2.900; rakv 3.300 (+13.8 %)" in lines[0] and lines[1].endswith("rakv at rate=1")
+    assert sweep_summary(results[:4]) is None  # one load
+    assert sweep_summary([replace(r, goodput_per_s=None) for r in results]) is None  # no SLO
 
 
 def test_policy_all_under_load_leaves_the_oracles_out(capsys):
