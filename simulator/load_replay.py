@@ -27,8 +27,8 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
 - Over a sweep of several loads under an SLO (``SweepSummary``): each policy's goodput
   summed over the loads against the best single fixed policy's, the same sum for the best
   of all the policies at each load chosen in hindsight (the envelope of what was
-  replayed), and the loads where a policy kept fewer requests within the SLO than
-  ``kv-only``.
+  replayed), and the loads where an adaptive policy kept fewer requests within the SLO
+  than ``kv-only``.
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
 loads, the requests and the seed (every load starts from an empty store and a fresh
