@@ -93,9 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="attempts at a slowed run, the median kept; 1: never repeat "
                         f"(default: {NoiseGuard.max_attempts})")
     p.add_argument("--runs-max-wait-s", type=float, default=NoiseGuard.max_wait_s,
-                   help="before each run and op, wait up to this long while a probe (one forward of the "
-                        "target) is more than the noise tolerance slower than usual; each op and run is stored "
-                        "beside its probe's seconds (probe_s), which the simulator prices at the usual speed; "
+                   help="before each run, op and served load, wait up to this long while a probe (one forward "
+                        "of the target) is more than the noise tolerance slower than usual; each op, run and "
+                        "load's steps are stored beside their probe's seconds (probe_s), which the simulator "
+                        "prices at the usual speed (a load's: serve_validate reports it); "
                         f"0: never probe (default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--runs-policies", default="all", metavar="NAME[,NAME...]",
@@ -463,8 +464,9 @@ def run(args) -> int:
             def ops_before(position: int, num_loads: int) -> None:  # the ops' repeats spread across the loads
                 passes_at(position, num_loads, GRIDS[args.grid].repeats,
                           lambda i: record_ops(writer, pair, args, progress, range(i, i + 1)))
+            speed = MachineSpeed(forward_probe(pair.target), args.runs_noise_tolerance, args.runs_max_wait_s)
             record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress,
-                           ops_before if grid_alone else None)
+                           ops_before if grid_alone else None, speed)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

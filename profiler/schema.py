@@ -60,8 +60,9 @@ from rakv.op_timing import OP_KEY_FIELDS, OpRow
 # (META_DECISION_INPUTS) and run lengths reach 32. 1.3: ops and runs gained the optional
 # probe_s (the machine's speed beside each timing, ``profiler.run_noise.MachineSpeed``).
 # 1.4: the served and steps tables (serving under load); ops gained the optional
-# num_requests (batched forwards, op "batch"; 1 where a file lacks it).
-SCHEMA_VERSION = "1.4"
+# num_requests (batched forwards, op "batch"; 1 where a file lacks it). 1.5: steps gained
+# the optional probe_s (the machine's speed beside the step's load).
+SCHEMA_VERSION = "1.5"
 SCHEMA_MAJOR = int(SCHEMA_VERSION.split(".")[0])
 META_SCHEMA_VERSION = "rakv.schema_version"
 META_TABLE = "rakv.table"
@@ -90,7 +91,8 @@ RUN_LENGTHS_TYPE = pa.list_(pa.struct([
 ]))
 
 # Seconds of the machine-speed probe beside a timing: the one just before an op; for a
-# run, the mean of those just before and just after it. None: the recording did not probe.
+# run, the mean of those just before and just after it; for a served step, those of its
+# load (every step of a load holds the same). None: the recording did not probe.
 PROBE_COLUMN = ("probe_s", pa.float64())
 
 TABLES: dict[str, pa.Schema] = {
@@ -198,6 +200,7 @@ TABLES: dict[str, pa.Schema] = {
         ("num_cached", pa.list_(pa.int32())),  # its target cache's positions before the step
         ("drafters", pa.list_(pa.string())),  # its round's drafter ("" where none)
         ("ks", pa.list_(pa.int16())),
+        optional=(PROBE_COLUMN,),
     ),
 }
 
@@ -382,6 +385,7 @@ class StepRow:
     num_cached: tuple[int, ...]
     drafters: tuple[str, ...]
     ks: tuple[int, ...]
+    probe_s: float | None = None  # PROBE_COLUMN: the load's
 
     def __post_init__(self):
         _freeze(self)

@@ -22,11 +22,12 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from profiler.arrivals import arrivals_s
+from profiler.run_noise import MachineSpeed, mean_probe_s
 from profiler.schema import RequestRow, ServedRow, StepRow, policy_copy_dir
 
 
@@ -126,14 +127,18 @@ def pinned_policy(trace_dir: Path, name: str, pair: str) -> str:
 
 def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, loads: list[Load],
                    policies: list[str], seed: int, progress,
-                   before_load: Callable[[int, int], None] | None = None) -> None:
+                   before_load: Callable[[int, int], None] | None = None,
+                   speed: MachineSpeed | None = None) -> None:
     """Every load under every policy (a name ``rakv.policies.resolve_policy`` takes: fixed,
     ``rakv`` or learned), each in a fresh ``BatchEngine`` with
     ``batch`` (a ``BatchConfig``) and the recording's decision inputs; the (load, policy)
     pairs already written are skipped. A request whose served output differs from its
     greedy output is reported on stderr (it would be a bug: batching never changes a token).
     ``before_load(i, n)`` goes before the i-th of the n (load, policy) pairs to serve, and
-    once more after the last (i = n): the recorder's ops passes, spread across the loads."""
+    once more after the last (i = n): the recorder's ops passes, spread across the loads.
+    ``speed``: before each load, wait while it says the machine is in a slow phase
+    (``MachineSpeed.wait``); the mean of that probe and one right after the load is every
+    step's ``probe_s``, the machine's speed while the load ran."""
     from rakv.batch_engine import BatchEngine
     from rakv.policies import resolve_policy
 
@@ -150,10 +155,14 @@ def record_serving(writer, pair, requests: list[RequestRow], inputs, batch, load
     for position, (load, name) in enumerate(todo):
         if before_load is not None:
             before_load(position, len(todo))
+        engine = engine_for(name)
+        before_s = speed.wait() if speed is not None else None
         bar = progress(total=len(requests), desc=f"served {load.label} {name}", unit="request")
-        result = serve_load(engine_for(name), requests, load, name, seed, bar)
+        result = serve_load(engine, requests, load, name, seed, bar)
         bar.close()
-        writer.append("steps", [s for s in result.steps if (s.load, s.policy, s.step) not in written_steps])
+        probe_s = mean_probe_s(before_s, speed.probe() if speed is not None else None)
+        writer.append("steps", [replace(s, probe_s=probe_s) for s in result.steps
+                                if (s.load, s.policy, s.step) not in written_steps])
         writer.flush()
         writer.append("served", result.requests)
         writer.flush()

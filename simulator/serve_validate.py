@@ -35,6 +35,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import median
 from typing import Sequence
 
 from profiler.arrivals import arrivals_s
@@ -105,6 +106,7 @@ class LoadFidelity:
     simulated: LoadLatencies  # free-running, overheads in sample
     simulated_out: LoadLatencies  # free-running, overheads fitted on the other loads
     again: LoadLatencies | None = None  # the same load in another recording (``--again``)
+    slower: float | None = None  # the machine while the load ran against the loads' median (``load_speeds``)
 
 
 TOLERANCE = 0.05  # the issue's goal: each figure within 5 % of the measured
@@ -250,6 +252,18 @@ class ServingReplay:
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals, step_starts_s=step_starts_s)
 
 
+def load_speeds(steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], float]:
+    """Per (load, policy) with a probe (recordings from schema 1.5), how much slower the
+    machine ran it than the median load: its steps' ``probe_s`` over the loads' median,
+    less one. The recorder waited out slow phases before each load, so a load that shows
+    slower here met one while it ran."""
+    probes = {key: rows[0].probe_s for key, rows in steps.items() if rows and rows[0].probe_s is not None}
+    if not probes:
+        return {}
+    usual = median(probes.values())
+    return {key: probe / usual - 1.0 for key, probe in probes.items()}
+
+
 def validate_serving(trace: Trace, again: Trace | None = None,
                      steps: dict[tuple[str, str], list[StepRow]] | None = None) -> list[LoadFidelity]:
     """Every recorded (load, policy) replayed; ``again``: another recording of the same
@@ -271,6 +285,7 @@ def validate_serving(trace: Trace, again: Trace | None = None,
     load_names = sorted({load for load, _ in steps})
     leave_out = {load: fit_serving_costs(trace, steps, load, replayed) if len(load_names) > 1 else everything
                  for load in load_names}
+    slower = load_speeds(steps)
     results = []
     for (load, policy), rows in steps.items():
         recorded = load_latencies(served_times(served[load, policy]))
@@ -282,7 +297,8 @@ def validate_serving(trace: Trace, again: Trace | None = None,
                              [step.draft_rows for step in replayed[load, policy][:check.num_equal]])
         results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
                                     load_latencies(run_out.times()),
-                                    load_latencies(served_times(served_again[load, policy])) if again else None))
+                                    load_latencies(served_times(served_again[load, policy])) if again else None,
+                                    slower.get((load, policy))))
     return results
 
 
@@ -308,13 +324,13 @@ def markdown(trace: Trace, rows: list[LoadFidelity], again: Trace | None = None,
              f"admission order (an open loop's arrivals at its recorded step starts), and priced from the op grid "
              f"(overheads fitted on the loads' steps)",
              "| load | policy | steps reproduced | step MAPE % | forward MAPE % | proposals MAPE % "
-             "| load's time error % |",
-             "|---|---|---|---|---|---|---|"]
+             "| load's time error % | the machine, slower % |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         e = row.step_errors
         lines.append(f"| {row.load} | {row.policy} | {row.steps.num_equal} of {row.steps.num_recorded} | "
                      f"{_pct(e.step_mape)} | {_pct(e.forward_mape)} | {_pct(e.propose_mape)} | "
-                     f"{_signed(e.total_error)} |")
+                     f"{_signed(e.total_error)} | {_signed(None if row.slower is None else 100 * row.slower)} |")
     lines += ["", "Free-running at the recorded load, against the served requests: error % of p50 / p90 "
                   "(out of sample: the overheads fitted on the other loads)",
               "| load | policy | TTFT | ITL | e2e | output tok/s | out of sample: TTFT | ITL | e2e | tok/s |",

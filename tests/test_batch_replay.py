@@ -170,6 +170,22 @@ def test_the_validation_reports_every_load(recorded, capsys):
         assert row.simulated.output_tok_per_s == pytest.approx(row.recorded.output_tok_per_s, rel=0.25)
 
 
+def test_a_load_run_on_a_slow_machine_is_named(recorded, capsys):
+    """Each load's probe against the loads' median: how much slower the machine ran it."""
+    steps = serve_validate.recorded_table(recorded, "steps")
+    assert all(rows[0].probe_s is not None for rows in steps.values())
+    first, second = list(steps)[:2]
+    usual = steps[first][0].probe_s
+    probed = {key: [replace(r, probe_s=usual * (1.2 if key == second else 1.0)) for r in rows]
+              for key, rows in steps.items()}
+    slower = serve_validate.load_speeds(probed)
+    assert slower[first] == 0.0 and slower[second] == pytest.approx(0.2)
+    assert serve_validate.load_speeds({key: [replace(r, probe_s=None) for r in rows]
+                                       for key, rows in steps.items()}) == {}  # recorded before schema 1.5
+    assert serve_validate.main(["--trace", str(recorded.path)]) == 0
+    assert "| the machine, slower % |" in capsys.readouterr().out
+
+
 def test_again_sets_another_recording_of_the_loads_beside_this_one(recorded, capsys):
     """``--again``: each figure of another recording of the same loads against this one's,
     counted as the replay's are; a recording against itself agrees on every figure."""

@@ -86,6 +86,16 @@ def test_the_serving_grid_times_batched_forwards(trace):
     assert all(r.seconds > 0 for r in batched)
 
 
+def test_each_loads_steps_hold_the_machines_speed_while_it_ran(trace):
+    """Every step of a load holds the load's probe (the mean of one just before it, after
+    any wait for a slow phase to pass, and one just after): what ``serve_validate`` sets
+    beside the load's time error."""
+    probes = defaultdict(set)
+    for r in rows(trace, "steps"):
+        probes[r.load, r.policy].add(r.probe_s)
+    assert len(probes) == 6 and all(len(p) == 1 and next(iter(p)) > 0 for p in probes.values())
+
+
 def test_an_interrupted_serving_recording_resumes_without_running_a_load_twice(tmp_path, monkeypatch):
     out = tmp_path / "interrupted"
     real, calls = profiler.serve_record.serve_load, []

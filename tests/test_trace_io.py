@@ -63,7 +63,7 @@ def served_row(i: int) -> ServedRow:
 def step_row(i: int) -> StepRow:
     return StepRow(load="rate=0.5", policy="ar", step=i, start_s=0.1 * i, seconds=0.09, propose_s=0.01, forward_s=0.07,
                    request_ids=[i, i + 1], kinds=["prefill", "verify"], rows=[64, 5], num_cached=[0, 130],
-                   drafters=["", "draft"], ks=[0, 4])
+                   drafters=["", "draft"], ks=[0, 4], probe_s=None if i % 2 else 0.004)
 
 
 MAKERS = {"requests": request_row, "ops": op_row, "runs": run_row, "decisions": decision_row, "served": served_row,
