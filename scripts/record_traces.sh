@@ -28,7 +28,8 @@
 # qwen-coder-sharegpt-serve-amx-knee: ShareGPT the same way, at 0.8 and 1.1 req/s; -past-knee: at 1.5
 # and 1.8 req/s, past that machine's knee, draft catch-ups held out of steps that prefill; -past-knee-again:
 # the same again; -past-knee-two-learned: the same with the learned policy that leaves the store drafter
-# to the running estimate beside the one before it (its copy in traces/policy-copies);
+# to the running estimate beside the one before it (its copy in traces/policy-copies); -past-knee-probed:
+# -past-knee's command again, each load probed for the machine's speed (schema 1.5);
 # qwen-coder-chat-serve-amx-knee-early: the chat knee's command again, prompts kept as their prefill ends),
 # and the op grid over batch shapes; a -serve-again trace is the
 # same recording made again right after, how well the machine repeats itself
@@ -78,6 +79,7 @@ TRACES=(
   "qwen-coder-sharegpt-serve-amx-knee|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 0.8,1.1 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee-again|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
+  "qwen-coder-sharegpt-serve-amx-past-knee-probed|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee-two-learned|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned,learned=traces/policy-copies/6413095db79446f7"
   "qwen-coder-chat-serve-paced|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 8 --serve-rate 0.6 --serve-policies kv-only,rakv,learned --itl-target 0.15"
   "qwen-coder-code-repeat|--pair qwen-coder --workload code-repeat --requests 24 --max-new-tokens 96 --grid calibration --runs-sample 24 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
