@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from conftest import policy_for
 from rakv.acceptance import comparable_rounds, replay_request, run_lengths
@@ -67,3 +68,16 @@ def assert_rounds_replay(pair, prompts, results, planners, max_new_tokens, confi
         assert recorded == replayed
         checked += len(expected)
     return checked
+
+
+def machine_free_prices(calibrated, verify_per_row_s: float):
+    """A pair's calibration with prices that do not turn on the machine: a target step of
+    1 ms at any context, ``verify_per_row_s`` for each further row, a draft step of 0.1 ms,
+    lookups and copies of 10 us (the acceptance priors, functions of the models, stay).
+    The tiny draft costs about what its target does, so at the machine's own prices
+    whether a round pays, and so which rounds a test sees, would turn on the machine."""
+    return replace(calibrated,
+                   target=replace(calibrated.target, step_fixed_s=1e-3, step_per_context_s=0.0, verify_fixed_s=0.0,
+                                  verify_per_token_s=verify_per_row_s, verify_tokens=(), verify_extra_s=()),
+                   draft=replace(calibrated.draft, step_fixed_s=1e-4, step_per_context_s=0.0),
+                   clone_s_per_byte=1e-11, lookup_s=1e-5, ngram_lookup_s=1e-5)

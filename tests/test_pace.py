@@ -6,11 +6,11 @@ them; bad values are one-line errors."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from engine_checks import machine_free_prices
 from profiler.record import main as record
 from rakv.cost_model import PairTimings
 from rakv.drafters import DRAFT_MODEL, NGRAM
@@ -141,22 +141,14 @@ def test_the_price_bench_reads_recorded_steps(capsys):
 
 
 @pytest.fixture
-def machine_free_prices(monkeypatch):
-    """The tiny pair's calibration with prices that do not turn on the machine (a step of
-    1 ms, 0.2 ms a further row, a draft step of 0.1 ms, lookups and copies of 10 us): with
-    this machine's own, a fresh calibration drafted one round fewer about half the time,
-    and then no target bound."""
+def machine_free_calibration(monkeypatch):
+    """The recorder calibrates the tiny pair at prices that do not turn on the machine
+    (0.2 ms a further row): at this machine's own, a fresh calibration drafted one round
+    fewer about half the time, and then no target bound."""
     import rakv.calibrate
     calibrate = rakv.calibrate.load_or_calibrate
-
-    def fixed(pair, *args, **kwargs):
-        calibrated = calibrate(pair, *args, **kwargs)
-        return replace(calibrated,
-                       target=replace(calibrated.target, step_fixed_s=1e-3, step_per_context_s=0.0, verify_fixed_s=0.0,
-                                      verify_per_token_s=2e-4, verify_tokens=(), verify_extra_s=()),
-                       draft=replace(calibrated.draft, step_fixed_s=1e-4, step_per_context_s=0.0),
-                       clone_s_per_byte=1e-11, lookup_s=1e-5, ngram_lookup_s=1e-5)
-    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate", fixed)
+    monkeypatch.setattr(rakv.calibrate, "load_or_calibrate",
+                        lambda pair, *args, **kwargs: machine_free_prices(calibrate(pair, *args, **kwargs), 2e-4))
 
 
 def _record_tiny(out: Path, *target: str):
@@ -170,7 +162,7 @@ def _drafted(steps) -> int:
     return sum(sum(step.ks) for step in steps)
 
 
-def test_the_engine_under_a_target_replays_step_for_step(tmp_path, machine_free_prices):
+def test_the_engine_under_a_target_replays_step_for_step(tmp_path, machine_free_calibration):
     """Exact because the pace runs on prices, not the wall. The target is one that binds
     at the recording's prices: the replay of a recording without a target finds it (a
     replay makes the engine's choices), then the engine runs under it."""

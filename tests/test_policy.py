@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy
-from engine_checks import assert_rounds_replay, run_mix
+from engine_checks import assert_rounds_replay, machine_free_prices, run_mix
 from policy.evaluate import main as evaluate_main
 from policy.round_data import ReadyingAll, collect, further_target, split_families
 from policy.train import main as train_main
@@ -270,18 +270,11 @@ class _Drafting(LearnedPolicy):
 
 
 def _fixed_prices(pair):
-    """The pair's calibration with prices that do not turn on the machine. The tiny draft
-    costs about what its target does, and a verify's price is each machine's calibration,
-    so whether a round pays would: a step of 1 ms, a verify of any length at the price of a
-    step (what a GPU sees) and a draft step at a tenth of it; then a round pays wherever
+    """Prices that do not turn on the machine (``machine_free_prices``), a verify of any
+    length at the price of a step (what a GPU sees): then a round pays wherever
     P(m >= 1) > 0.1."""
     from rakv.calibrate import load_or_calibrate
-    calibrated = load_or_calibrate(pair)
-    step_s = 1e-3
-    return replace(calibrated,
-                   target=replace(calibrated.target, step_fixed_s=step_s, step_per_context_s=0.0, verify_fixed_s=0.0,
-                                  verify_per_token_s=0.0, verify_tokens=(), verify_extra_s=()),
-                   draft=replace(calibrated.draft, step_fixed_s=step_s / 10, step_per_context_s=0.0))
+    return machine_free_prices(load_or_calibrate(pair), 0.0)
 
 
 def test_learned_planner_live_is_greedy_and_its_rounds_replay_exactly(trained, trace, tiny_pair):
