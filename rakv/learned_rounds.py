@@ -132,7 +132,6 @@ class LearnedRounds(AdaptiveRounds):
         self.num_prompt, self.num_new_tokens, self.prompt_repeat = num_prompt, num_new_tokens, prompt_repeat
         self.history = {d: _History() for d in (DRAFT_MODEL, NGRAM, SUFFIX)}
         self._t = 0
-        self._cheapest: dict[str, float] = {}  # per drafter, its cheapest round alone, when first needed
         self._draft_prob = NONE
         self._lengths: Mapping[str, Columns] = {}
         self._tokens: Sequence[int] | np.ndarray = ()
@@ -204,10 +203,7 @@ class LearnedRounds(AdaptiveRounds):
             else:
                 first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t, longest))
                 # no round can win if even its most tokens at its cheapest cannot (this only skips work)
-                if costs_s is not self.costs_s:
-                    cheapest = costs_s[drafter][1]
-                elif (cheapest := self._cheapest.get(drafter)) is None:
-                    cheapest = self._cheapest[drafter] = min(self.costs_s[drafter][1:])
+                cheapest = costs_s[drafter][1] if costs_s is not self.costs_s else self._cheapest_s(drafter)
                 if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
                     continue
                 if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):

@@ -228,6 +228,7 @@ class AdaptiveRounds:
         self.step_s = costs.step_s
         self._round_costs = costs if config.load_aware and costs.timings is not None else None
         self._plain_rate = (1.0 + config.min_gain) / self.step_s  # the rate a round must beat
+        self._cheapest: dict[str, float] = {}  # per drafter, when first needed (``_cheapest_s``)
         self._hopeless: dict[str, float] = {}  # per drafter, when first needed (``_hopeless_at``)
         self._plain = (drafters[0] if drafters else DRAFT_MODEL, 0)
         self._keep = 1.0 - config.recency
@@ -298,8 +299,14 @@ class AdaptiveRounds:
         asked (rounds under load are bounded by the step's prices instead)."""
         found = self._hopeless.get(drafter)
         if found is None:
-            cheapest_s = min(self.costs_s[drafter][1:self._max_k + 1])
-            found = self._hopeless[drafter] = 1.0 - 1.0 / (self._plain_rate * cheapest_s) - 1e-9
+            found = self._hopeless[drafter] = 1.0 - 1.0 / (self._plain_rate * self._cheapest_s(drafter)) - 1e-9
+        return found
+
+    def _cheapest_s(self, drafter: str) -> float:
+        """Seconds of ``drafter``'s cheapest round alone (k = 1..max_k), when first asked."""
+        found = self._cheapest.get(drafter)
+        if found is None:
+            found = self._cheapest[drafter] = min(self.costs_s[drafter][1:self._max_k + 1])
         return found
 
     def _prices(self, load: StepLoad | None) -> tuple[float, float, Mapping[str, Sequence[float]]]:
