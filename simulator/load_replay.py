@@ -28,7 +28,11 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   summed over the loads against the best single fixed policy's, the same sum for the best
   of all the policies at each load chosen in hindsight (the envelope of what was
   replayed), and the loads where an adaptive policy kept fewer requests within the SLO
-  than ``kv-only``.
+  than ``kv-only``. Two references stand apart from the policies: ``foresight``
+  (``simulator.foresight``: ``rakv`` knowing each round's outcome) where it was replayed,
+  and, over open loops, the ceiling no policy can pass: every request within the SLO,
+  each load's requests over its arrivals' span (a load's span runs from its first arrival
+  to its last finish, so it is never shorter).
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
 loads, the requests and the seed (every load starts from an empty store and a fresh
@@ -50,12 +54,14 @@ from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, sl
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
+from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_table
 from simulator.step_costs import StepCosts
 from simulator.trace import Trace
 
 FIXED = frozenset(fixed_policy_names(True))
+REFERENCES = frozenset({FORESIGHT})  # replayed beside the policies, never one of them
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,7 @@ class LoadResult:
     speculation: tuple[SpeculationAt, ...]  # by running batch size
     num_reused: int = 0  # requests that reused stored KV (as ``profiler.serve_summary`` counts them live)
     best_fixed: bool = False  # the best fixed policy at its load (``mark_best_fixed``)
+    arrivals_span_s: float = 0.0  # first arrival to last: at a rate, the same for every policy
 
 
 def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> LoadResult:
@@ -130,7 +137,8 @@ def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> Loa
         stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
         good_per_s,
         sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation,
-        sum(r.num_reused_tokens > 0 for r in run.requests))
+        sum(r.num_reused_tokens > 0 for r in run.requests),
+        arrivals_span_s=max(a for a, *_ in times) - min(a for a, *_ in times))
 
 
 def _score(result: LoadResult) -> tuple[float, ...]:
@@ -158,6 +166,10 @@ class SweepSummary:
     best_fixed: str  # the fixed policy of the highest sum
     envelope_per_s: float  # at each load the best policy's goodput, in hindsight, summed
     below_kv_only: dict[str, tuple[str, ...]]  # per adaptive policy, the loads where it met the SLO less often
+    references_per_s: dict[str, float]  # per reference replayed (``REFERENCES``), as ``goodput_per_s``
+    # every request of every load within the SLO over its arrivals' span, summed: above any
+    # policy's sum; None where a load is a closed loop (its arrivals follow the policy)
+    ceiling_per_s: float | None
 
     def over_best_fixed(self, goodput_per_s: float) -> float:
         return goodput_per_s / self.goodput_per_s[self.best_fixed] - 1.0
@@ -170,19 +182,26 @@ def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
         return None
     totals: dict[str, float] = defaultdict(float)
     best_at: dict[str, float] = defaultdict(float)
+    ceiling_at: dict[str, float] = {}
     for r in results:
         totals[r.policy] += r.goodput_per_s
-        best_at[r.load] = max(best_at[r.load], r.goodput_per_s)
+        if r.policy not in REFERENCES:
+            best_at[r.load] = max(best_at[r.load], r.goodput_per_s)
+        if r.arrivals_span_s > 0:
+            ceiling_at[r.load] = r.num_requests / r.arrivals_span_s
+    open_loops = all(load.startswith("rate=") for load in loads) and len(ceiling_at) == len(loads)
     fixed = [name for name in totals if name in FIXED]
     if not fixed:
         return None
     kv_only = {r.load: r.num_meeting_slo for r in results if r.policy == "kv-only"}
     below: dict[str, list[str]] = defaultdict(list)
     for r in results:
-        if r.policy not in FIXED and r.load in kv_only and r.num_meeting_slo < kv_only[r.load]:
+        if r.policy not in FIXED | REFERENCES and r.load in kv_only and r.num_meeting_slo < kv_only[r.load]:
             below[r.policy].append(r.load)
+    references = {name: totals.pop(name) for name in list(totals) if name in REFERENCES}
     return SweepSummary(len(loads), dict(totals), max(fixed, key=totals.__getitem__), sum(best_at.values()),
-                        {name: tuple(found) for name, found in below.items()})
+                        {name: tuple(found) for name, found in below.items()}, references,
+                        sum(ceiling_at.values()) if open_loops else None)
 
 
 def summary_lines(summary: SweepSummary) -> list[str]:
@@ -198,6 +217,14 @@ def summary_lines(summary: SweepSummary) -> list[str]:
         below = "; ".join(f"{name} at {', '.join(summary.below_kv_only[name])}" for name in adaptive
                           if summary.below_kv_only.get(name))
         lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
+    over = summary.over_best_fixed
+    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %)"
+                  for name, per_s in summary.references_per_s.items()]
+    if summary.ceiling_per_s is not None:
+        references.append(f"every request within the SLO, each load's requests over its arrivals' span (no policy "
+                          f"passes it) {summary.ceiling_per_s:.3f} ({100 * over(summary.ceiling_per_s):+.1f} %)")
+    if references:
+        lines.append(f"References, not policies: {'; '.join(references)}")
     return lines
 
 
@@ -250,6 +277,9 @@ def markdown(results: list[LoadResult], title: str) -> str:
         lines.append(f"* the best fixed policy at its load by {f'goodput ({slo})' if slo else 'output tok/s'}")
     lines.append("share speculating: of the rounds (decode and verify works), those with k > 0; by batch size: "
                  "the same by the number of rounds in their step")
+    if any(r.policy in REFERENCES for r in results):
+        lines.append(f"{FORESIGHT}: {FORESIGHT_MEANING} (simulator.foresight), a reference, not a policy an "
+                     f"engine can run")
     summary = sweep_summary(results)
     if summary is not None:
         lines += [""] + summary_lines(summary)

@@ -18,7 +18,8 @@ each request's best schedule of rounds, knowing the run lengths.
 On a serving trace (batched forwards in its ops, or recorded steps) the replay serves loads
 through the batching engine's replay instead (``simulator.load_replay``): ``--concurrency``
 closed loops and ``--arrival-rate`` open loops (comma lists: a sweep; default: the loads the
-trace recorded), one row per load and policy; the oracles are batch-1 only.
+trace recorded), one row per load and policy; the oracles are batch-1 only, and under load
+``simulator.foresight`` stands beside the policies as a reference (in ``all``).
 
 A replay decides with today's engine settings over the trace's facts (tokens, run
 lengths, probabilities, op timings, calibration, model sizes), unless ``--as-recorded``;
@@ -44,6 +45,7 @@ from rakv.policies import LEARNED, check_policy, shipped_policy
 from rakv.scheduler import ITL_TARGET_HELP
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
+from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
 from simulator.load_replay import has_serving_grid, serve_loads
 from simulator.oracle import Oracle
 from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
@@ -155,7 +157,7 @@ def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
         return list(fixed_policy_names(inputs.draft_sizes is not None)) + [ADAPTIVE_NAME] + shipped + list(ORACLES)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name not in ORACLES:
+        if name not in ORACLES and name != FORESIGHT:
             check_policy(name, pair, inputs.draft_sizes is not None)  # the one-line error naming the choices
     return names
 
@@ -236,8 +238,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="timing trace of the same model shapes, perhaps another machine's (default: the trace's "
                         "own ops, else the timing trace its metadata names)")
     p.add_argument("--policy", default="all",
-                   help=f"all (default; under load, without the oracles), or comma-separated: {FIXED_POLICY_HELP}, "
-                        "oracle, round-oracle (batch 1 only), "
+                   help=f"all (default; under load, without the oracles and with foresight), or comma-separated: "
+                        f"{FIXED_POLICY_HELP}, oracle, round-oracle (batch 1 only), {FORESIGHT} (under load only: "
+                        f"{FORESIGHT_MEANING}, a reference), "
                         "learned[=PATH] "
                         "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
     p.add_argument("--strict", action="store_true",
@@ -324,9 +327,11 @@ def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | 
     names = policy_names(args.policy, trace, inputs)
     oracles = [name for name in names if name in ORACLES]
     if oracles and args.policy != "all":
-        raise ValueError(f"{oracles[0]} replays at batch 1 only; under load give fixed policies, rakv or learned")
+        raise ValueError(f"{oracles[0]} replays at batch 1 only; under load give fixed policies, rakv, learned "
+                         f"or {FORESIGHT}")
+    names = [name for name in names if name not in ORACLES] + ([FORESIGHT] if args.policy == "all" else [])
     title = f"{args.trace.name} under load\n{settings_line(settings, trace, args.as_recorded)}"
-    return serve_loads(args, trace, inputs, [name for name in names if name not in ORACLES], title)
+    return serve_loads(args, trace, inputs, names, title)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -348,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
                          f"with profiler.record --grid serving --serve-concurrency 1,2,4,8")
     timing = load_timing(args.timing, trace)
     names = policy_names(args.policy, trace, timing.decision_inputs(trace, settings))
+    if FORESIGHT in names:
+        raise ValueError(f"{FORESIGHT} replays under load only; at batch 1 the round oracle bounds the planners")
     try:  # one rate: checked by ``schedule``, as before sweeps
         rate = None if rates[0] is None else float(rates[0])
     except ValueError:

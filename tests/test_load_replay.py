@@ -119,16 +119,42 @@ def test_a_sweep_is_summed_against_the_best_single_fixed_policy():
     assert sweep_summary([replace(r, goodput_per_s=None) for r in results]) is None  # no SLO
 
 
-def test_policy_all_under_load_leaves_the_oracles_out(capsys):
+def test_a_sweep_lists_its_references_apart_from_the_policies():
+    """``foresight`` is summed but in neither the envelope nor the policies, and never
+    below ``kv-only`` as a policy is; over open loops the ceiling is every request within
+    the SLO over each load's arrivals' span, over closed loops there is none."""
+    base = summarize_load("rate=1", "kv-only", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3),
+                                                            TimedRequest(1, 5.0, 6.0, 9.0, 3)]), parse_slo("ttft=5"))
+    assert base.arrivals_span_s == 5.0 and base.num_requests == 2
+    met = {("rate=1", "kv-only"): 2, ("rate=1", "rakv"): 1, ("rate=1", "foresight"): 2,
+           ("rate=2", "kv-only"): 1, ("rate=2", "rakv"): 1, ("rate=2", "foresight"): 2}
+    results = [replace(base, load=load, policy=policy, num_meeting_slo=n, goodput_per_s=n / 10,
+                       arrivals_span_s={"rate=1": 5.0, "rate=2": 2.5}[load]) for (load, policy), n in met.items()]
+    summary = sweep_summary(results)
+    assert set(summary.goodput_per_s) == {"kv-only", "rakv"}
+    assert summary.references_per_s == {"foresight": pytest.approx(0.4)}
+    assert summary.envelope_per_s == pytest.approx(0.3)  # kv-only at rate=1, either at rate=2: not foresight's 0.2
+    assert summary.below_kv_only == {"rakv": ("rate=1",)}
+    assert summary.ceiling_per_s == pytest.approx(2 / 5.0 + 2 / 2.5)
+    lines = summary_lines(summary)
+    assert lines[-1].startswith("References, not policies: foresight (rakv knowing each round's outcome before it "
+                                "drafts) 0.400 (+33.3 %); every request within the SLO")
+    assert "1.200 (+300.0 %)" in lines[-1]
+    closed = [replace(r, load=r.load.replace("rate", "c")) for r in results]
+    assert sweep_summary(closed).ceiling_per_s is None  # a closed loop's arrivals follow the policy
+
+
+def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     assert replay_main(["--trace", str(SERVING), "--policy", "all", "--concurrency", "2", "--json"]) == 0
     policies = [r["policy"] for r in rows_of(capsys)]
-    assert "rakv" in policies and "learned" in policies and "ar" in policies
+    assert "rakv" in policies and "learned" in policies and "ar" in policies and policies[-1] == "foresight"
     assert not {"oracle", "round-oracle"} & set(policies)
 
 
 @pytest.mark.parametrize("trace, argv, message", [
     (SERVING, ["--policy", "ar,oracle", "--concurrency", "1"], "oracle replays at batch 1 only"),
     (SERVING, ["--policy", "round-oracle"], "round-oracle replays at batch 1 only"),
+    (TRACES / "smollm2-chat", ["--policy", "rakv,foresight"], "foresight replays under load only"),
     (SERVING, ["--slo", "ttft=x"], "--slo: ttft: 'x' is not a number"),
     (SERVING, ["--slo", "tpot=1"], "got 'tpot=1'"),
     (SERVING, ["--concurrency", "2,zero"], "--concurrency: 'zero' is not a number"),

@@ -1,0 +1,78 @@
+"""Foresight under load: ``rakv`` with each round's outcome known before it drafts. A
+reference for the batched replay, not a policy an engine can run. Imports no torch.
+
+At batch 1 the round oracle (``simulator.round_oracle``) bounds what any round planner can
+reach: a shortest path over each request's rounds. Under load a request's rounds share
+their steps with other requests', whose rounds depend on it in turn, and no such path is
+known. So this answers a narrower question, the one the planners' predictions can be
+measured by: what would ``rakv`` reach if it knew, before each round, how many tokens the
+round will bring?
+
+``ForesightRounds`` differs from ``rakv``'s planner (``AdaptiveRounds``) in that alone:
+each round it prices every ready drafter's rounds at the step's prices, as ``rakv``
+prices them (``rakv.step_load``; its ``min_gain``, ITL pace and held draft model
+included), but with the tokens each k brings read off the request's run lengths, min(k,
+m_t) + 1, where ``rakv`` expects E_k from its estimate. So it drafts no further than the
+run (k <= m_t: a longer round costs more rows for no more tokens) and never where the run
+is empty; the draft model runs to k (no confidence stop: the stop only guesses where the
+run ends) and is never probed. The request-level choices (reuse, which drafters to ready)
+are ``rakv``'s, from the running estimates, which the rounds feed as ``rakv``'s do.
+
+Invariant: the rounds are a function of the trace's facts and the step's load, as every
+planner's; every round accepts all it drafts.
+
+It is greedy, one round at a time, by the step's tokens per second: not a bound on
+goodput, which turns on queues and latency bounds no single round sees.
+``simulator.load_replay`` lists it apart from the policies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from rakv.controller import CostModelPolicy
+from rakv.cost_model import Action, RequestFeatures
+from rakv.drafters import Columns
+from rakv.round_planner import AdaptiveRounds
+from rakv.step_load import StepLoad, longest_within
+
+NAME = "foresight"
+MEANING = "rakv knowing each round's outcome before it drafts"  # as the replay's outputs name it
+
+
+class ForesightRounds(AdaptiveRounds):
+    """``AdaptiveRounds`` with each round's tokens read off the run lengths it is bound to."""
+
+    def bind(self, lengths: Mapping[str, Columns], tokens=()) -> None:
+        self._runs = {d: lengths[d].runs for d in self.drafters}  # m_t, read at t (the store drafter's looked up then)
+
+    def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
+        held = self._held(load)
+        offset, best_rate, costs_s = self._prices(load)
+        bounds_s = load.pace_bounds_s if load is not None else ()
+        best = self._plain
+        for drafter in self.drafters:
+            if drafter == held:
+                continue
+            run = self._runs[drafter][t]
+            if not run:
+                continue  # a round would bring the target's one token, at more than a step's price
+            costs = costs_s[drafter]
+            beat = best_rate * (1 + 1e-9)
+            for k in range(1, min(run, longest_within(costs, self._max_k, bounds_s)) + 1):
+                rate = (offset + k + 1) / costs[k]
+                if rate > beat:
+                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+        return best
+
+
+@dataclass
+class ForesightPolicy(CostModelPolicy):
+    """``rakv``'s controller, its requests' rounds planned with foresight."""
+
+    name: str = NAME
+
+    def planner(self, features: RequestFeatures, action: Action) -> ForesightRounds:
+        drafters, config, costs = self.planner_setup(features, action)
+        return ForesightRounds(drafters, self.signal_acceptance, self.acceptance, costs,
+                               replace(config, draft_confidence=0.0))
