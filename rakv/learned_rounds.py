@@ -44,7 +44,7 @@ import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
-from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, best_round
 from rakv.round_yield import run_rounds, unstopped_progress
 from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
@@ -210,11 +210,7 @@ class LearnedRounds(AdaptiveRounds):
                     progress, costs = run_rounds(first, further, *self._stop_shares, costs_s[drafter], top)
                 else:  # as ``run_rounds`` prices them, read in place
                     progress, costs = unstopped_progress(first, further, top), costs_s[drafter]
-            beat = best_rate * (1 + 1e-9)
-            for k in range(1, top + 1):
-                rate = (offset + progress[k]) / costs[k]
-                if rate > beat:
-                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+            best_rate, best = best_round(drafter, progress, costs, top, offset, best_rate, best)
         return best
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,

@@ -182,6 +182,20 @@ class PlannerConfig:
             raise ValueError(f"max_catch_up_beside_prefill must be at least 0, got {self.max_catch_up_beside_prefill}")
 
 
+def best_round(drafter: str, progress: Sequence[float], costs_s: Sequence[float], top: int, offset: float,
+               best_rate: float, best: tuple[str, int]) -> tuple[float, tuple[str, int]]:
+    """(the rate, (drafter, k)) of ``drafter``'s round k in 1..``top`` with the most tokens
+    per second, (offset + progress[k]) / costs_s[k], where it beats ``best_rate`` (the best
+    so far, ``best``'s), else (best_rate, best). A round must beat it by a relative 1e-9,
+    so a tie goes to the smaller k, then to the drafter asked first."""
+    beat = best_rate * (1 + 1e-9)
+    for k in range(1, top + 1):
+        rate = (offset + progress[k]) / costs_s[k]
+        if rate > beat:
+            best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+    return best_rate, best
+
+
 def initial_estimate(drafter: str, signal: int, estimates: Mapping[str, float]) -> float:
     """Acceptance under a signal never observed: prompt lookup's and the store drafter's
     priors for their match, or the drafter's overall estimate in ``estimates`` (read only
@@ -276,11 +290,7 @@ class AdaptiveRounds:
             elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
                 continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
             progress, costs = self._priced(drafter, signal, a, costs_s[drafter])
-            beat = best_rate * (1 + 1e-9)
-            for k in range(1, top + 1):
-                rate = (offset + progress[k]) / costs[k]
-                if rate > beat:
-                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+            best_rate, best = best_round(drafter, progress, costs, top, offset, best_rate, best)
         return best
 
     def _held(self, load: StepLoad | None) -> str | None:

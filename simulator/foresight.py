@@ -33,7 +33,7 @@ from typing import Mapping
 from rakv.controller import CostModelPolicy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import Columns
-from rakv.round_planner import AdaptiveRounds
+from rakv.round_planner import AdaptiveRounds, best_round
 from rakv.step_load import StepLoad, longest_within
 
 NAME = "foresight"
@@ -57,12 +57,9 @@ class ForesightRounds(AdaptiveRounds):
             run = self._runs[drafter][t]
             if not run:
                 continue  # a round would bring the target's one token, at more than a step's price
-            costs = costs_s[drafter]
-            beat = best_rate * (1 + 1e-9)
-            for k in range(1, min(run, longest_within(costs, self._max_k, bounds_s)) + 1):
-                rate = (offset + k + 1) / costs[k]
-                if rate > beat:
-                    best_rate, best, beat = rate, (drafter, k), rate * (1 + 1e-9)
+            top = min(run, longest_within(costs_s[drafter], self._max_k, bounds_s))
+            # a round of k <= m_t brings its k tokens and the target's own: progress[k] = k + 1
+            best_rate, best = best_round(drafter, range(1, top + 2), costs_s[drafter], top, offset, best_rate, best)
         return best
 
 
