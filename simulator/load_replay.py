@@ -54,7 +54,7 @@ from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, sl
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
-from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
+from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_table
 from simulator.step_costs import StepCosts
@@ -230,8 +230,12 @@ def summary_lines(summary: SweepSummary) -> list[str]:
 
 def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loads: list[Load],
                  slo: Slo | None = None) -> list[LoadResult]:
-    """Every named policy at every load, in that order (load by load)."""
-    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, name, costs), slo)
+    """Every named policy at every load, in that order (load by load); ``foresight`` under
+    the replay's controller settings, as ``rakv``."""
+    def policy(name: str):  # a name, or a fresh policy for each load
+        return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
+
+    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, policy(name), costs), slo)
                             for load in loads for name in names])
 
 

@@ -49,7 +49,6 @@ from rakv.scheduler import BatchConfig, Composition
 from rakv.settings import DecisionInputs
 from simulator.batch_replay import BatchReplay, ReplayedStep
 from simulator.costs import CostModelError
-from simulator.foresight import NAME as FORESIGHT, ForesightPolicy
 from simulator.schedule import schedule
 from simulator.serve_sim import LoadRun, run_load
 from simulator.session import SessionError, trace_policy
@@ -229,11 +228,8 @@ class ServingReplay:
 
     def fresh(self, policy: str | Policy) -> BatchReplay:
         """An empty replay under ``policy``, or the policy of that name (a fresh one: a
-        ``Policy`` given is carried on as it is, so give each replay its own);
-        ``simulator.foresight``'s by its name, under the settings' controller."""
-        if policy == FORESIGHT:
-            policy = ForesightPolicy(self.inputs.timings, self.inputs.controller)
-        elif isinstance(policy, str):
+        ``Policy`` given is carried on as it is, so give each replay its own)."""
+        if isinstance(policy, str):
             policy = trace_policy(policy, self.trace, self.inputs, self.strict, self.recorded_policies)
         return BatchReplay(policy, self.inputs, self.batch, self.trace.target_namespace, self.trace.draft_namespace)
 

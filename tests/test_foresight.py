@@ -11,7 +11,7 @@ from rakv.drafters import NGRAM, RunLengths
 from rakv.round_planner import PlannerConfig, RoundCosts
 from rakv.scheduler import PREFILL
 from rakv.settings import Settings
-from simulator.foresight import NAME, ForesightRounds
+from simulator.foresight import ForesightPolicy, ForesightRounds
 from simulator.serve_validate import ServingReplay, fit_serving_costs
 from simulator.trace import load_trace
 
@@ -46,9 +46,10 @@ def test_under_load_every_round_is_accepted_whole(monkeypatch):
         return finish_move(self, t, drafter, k, rnd, probs)
 
     trace = load_trace(SERVING)
-    serving, costs = ServingReplay(trace, trace.decision_inputs(Settings())), fit_serving_costs(trace)
+    inputs = trace.decision_inputs(Settings())
+    serving, costs = ServingReplay(trace, inputs), fit_serving_costs(trace)
     monkeypatch.setattr(RunLengthRounds, "finish_move", counted)  # after the fit, which replays the recorded loads
-    run = serving.run(Load(concurrency=4), NAME, costs)
+    run = serving.run(Load(concurrency=4), ForesightPolicy(inputs.timings, inputs.controller), costs)
     assert len(rounds) >= 20 and all(k == proposed == accepted for k, proposed, accepted in rounds)
     shared = [s for s in run.steps if any(s.composition.ks)
               and sum(kind != PREFILL for kind in s.composition.kinds) > 1]
