@@ -30,7 +30,8 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   replayed), and the loads where an adaptive policy kept fewer requests within the SLO
   than ``kv-only``. Two references stand apart from the policies: ``foresight``
   (``simulator.foresight``: ``rakv`` knowing each round's outcome) where it was replayed,
-  and, over open loops, the ceiling no policy can pass: every request within the SLO,
+  with the share of its gain over the best fixed policy each adaptive policy reaches; and,
+  over open loops, the ceiling no policy can pass: every request within the SLO,
   each load's requests over its arrivals' span (a load's span runs from its first arrival
   to its last finish, so it is never shorter).
 
@@ -174,6 +175,14 @@ class SweepSummary:
     def over_best_fixed(self, goodput_per_s: float) -> float:
         return goodput_per_s / self.goodput_per_s[self.best_fixed] - 1.0
 
+    def shares_of(self, reference_per_s: float, names: list[str]) -> list[tuple[str, float]]:
+        """Per policy of ``names``, the share of a reference's gain over the best fixed
+        policy that it reaches; none where the reference gains nothing."""
+        gain = reference_per_s - self.goodput_per_s[self.best_fixed]
+        if gain <= 0:
+            return []
+        return [(name, (self.goodput_per_s[name] - self.goodput_per_s[self.best_fixed]) / gain) for name in names]
+
 
 def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
     """The sweep's summary; None for one load, without an SLO or without a fixed policy."""
@@ -218,8 +227,9 @@ def summary_lines(summary: SweepSummary) -> list[str]:
                           if summary.below_kv_only.get(name))
         lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
     over = summary.over_best_fixed
-    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %)"
-                  for name, per_s in summary.references_per_s.items()]
+    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %"
+                  + "".join(f"; {a} {100 * s:.0f} % of its gain" for a, s in summary.shares_of(per_s, adaptive))
+                  + ")" for name, per_s in summary.references_per_s.items()]
     if summary.ceiling_per_s is not None:
         references.append(f"every request within the SLO, each load's requests over its arrivals' span (no policy "
                           f"passes it) {summary.ceiling_per_s:.3f} ({100 * over(summary.ceiling_per_s):+.1f} %)")

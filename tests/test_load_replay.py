@@ -127,19 +127,21 @@ def test_a_sweep_lists_its_references_apart_from_the_policies():
                                                             TimedRequest(1, 5.0, 6.0, 9.0, 3)]), parse_slo("ttft=5"))
     assert base.arrivals_span_s == 5.0 and base.num_requests == 2
     met = {("rate=1", "kv-only"): 2, ("rate=1", "rakv"): 1, ("rate=1", "foresight"): 2,
-           ("rate=2", "kv-only"): 1, ("rate=2", "rakv"): 1, ("rate=2", "foresight"): 2}
+           ("rate=2", "kv-only"): 0, ("rate=2", "rakv"): 2, ("rate=2", "foresight"): 2}
     results = [replace(base, load=load, policy=policy, num_meeting_slo=n, goodput_per_s=n / 10,
                        arrivals_span_s={"rate=1": 5.0, "rate=2": 2.5}[load]) for (load, policy), n in met.items()]
     summary = sweep_summary(results)
     assert set(summary.goodput_per_s) == {"kv-only", "rakv"}
     assert summary.references_per_s == {"foresight": pytest.approx(0.4)}
-    assert summary.envelope_per_s == pytest.approx(0.3)  # kv-only at rate=1, either at rate=2: not foresight's 0.2
+    assert summary.envelope_per_s == pytest.approx(0.4)  # kv-only at rate=1, rakv at rate=2; not foresight
     assert summary.below_kv_only == {"rakv": ("rate=1",)}
     assert summary.ceiling_per_s == pytest.approx(2 / 5.0 + 2 / 2.5)
     lines = summary_lines(summary)
+    # kv-only 0.2 the best fixed, rakv 0.3: half of foresight's gain of 0.2
     assert lines[-1].startswith("References, not policies: foresight (rakv knowing each round's outcome before it "
-                                "drafts) 0.400 (+33.3 %); every request within the SLO")
-    assert "1.200 (+300.0 %)" in lines[-1]
+                                "drafts) 0.400 (+100.0 %; rakv 50 % of its gain); every request within the SLO")
+    assert "1.200 (+500.0 %)" in lines[-1]
+    assert summary.shares_of(0.2, ["rakv"]) == []  # a reference that gains nothing shares nothing
     closed = [replace(r, load=r.load.replace("rate", "c")) for r in results]
     assert sweep_summary(closed).ceiling_per_s is None  # a closed loop's arrivals follow the policy
 
