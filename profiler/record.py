@@ -461,10 +461,11 @@ def run(args) -> int:
                       [recorded[i] for i in resample_families([r.group_id for r in recorded], args.serve_resample,
                                                               np.random.default_rng(args.seed))])
 
-            def ops_before(position: int, num_loads: int) -> None:  # the ops' repeats spread across the loads
-                passes_at(position, num_loads, GRIDS[args.grid].repeats,
-                          lambda i: record_ops(writer, pair, args, progress, range(i, i + 1)))
             speed = MachineSpeed(forward_probe(pair.target), args.runs_noise_tolerance, args.runs_max_wait_s)
+
+            def ops_before(position: int, num_loads: int) -> None:  # the ops' repeats spread across the loads,
+                passes_at(position, num_loads, GRIDS[args.grid].repeats,  # each op probed as each load is
+                          lambda i: record_ops(writer, pair, args, progress, range(i, i + 1), speed.wait))
             record_serving(writer, pair, served, inputs, batch, loads, policies, args.seed, progress,
                            ops_before if grid_alone else None, speed)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -84,6 +84,7 @@ def test_the_serving_grid_times_batched_forwards(trace):
               if c + r < max_positions}  # one request's prefill chunk through the same batched forward
     assert shapes == steps | chunks and (("target", 1, 64, 128) in chunks) == (192 < max_positions)
     assert all(r.seconds > 0 for r in batched)
+    assert all(r.probe_s > 0 for r in batched)  # each op beside the machine's speed, as each load
 
 
 def test_each_loads_steps_hold_the_machines_speed_while_it_ran(trace):
