@@ -35,7 +35,6 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from statistics import median
 from typing import Sequence
 
 from profiler.arrivals import arrivals_s
@@ -52,7 +51,7 @@ from simulator.costs import CostModelError
 from simulator.schedule import schedule
 from simulator.serve_sim import LoadRun, run_load
 from simulator.session import SessionError, trace_policy
-from simulator.step_costs import StepCosts, StepErrors, fit_step_costs, step_errors
+from simulator.step_costs import StepCosts, StepErrors, fit_step_costs, load_speeds, step_errors
 from simulator.trace import RecordedRequest, Trace, load_trace
 
 
@@ -171,12 +170,13 @@ def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | 
     keys = [key for key in steps if key[0] != leave_out]
     if replayed is None:
         replayed = replayed_steps(trace, {key: steps[key] for key in keys})
-    fitted: list[tuple[StepRow, ReplayedStep]] = []
+    speeds = load_speeds(steps)  # fitted at the loads' usual speed (``simulator.step_costs``)
+    fitted: list[tuple[StepRow, ReplayedStep, float]] = []
     for key in keys:
         num_equal = compare_steps(steps[key], replayed[key]).num_equal
-        fitted += zip(steps[key][:num_equal], replayed[key][:num_equal])
-    return fit_step_costs(trace.ops, [Composition.of(row) for row, _ in fitted], [row.seconds for row, _ in fitted],
-                          [step.draft_rows for _, step in fitted])
+        fitted += [(row, step, speeds.get(key, 1.0)) for row, step in zip(steps[key], replayed[key][:num_equal])]
+    return fit_step_costs(trace.ops, [Composition.of(row) for row, _, _ in fitted],
+                          [row.seconds / speed for row, _, speed in fitted], [step.draft_rows for _, step, _ in fitted])
 
 
 def replayed_steps(trace: Trace, steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], list]:
@@ -252,18 +252,6 @@ class ServingReplay:
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals, step_starts_s=step_starts_s)
 
 
-def load_speeds(steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], float]:
-    """Per (load, policy) with a probe (recordings from schema 1.5), how much slower the
-    machine ran it than the median load: its steps' ``probe_s`` over the loads' median,
-    less one. The recorder waited out slow phases before each load, so a load that shows
-    slower here met one while it ran."""
-    probes = {key: rows[0].probe_s for key, rows in steps.items() if rows and rows[0].probe_s is not None}
-    if not probes:
-        return {}
-    usual = median(probes.values())
-    return {key: probe / usual - 1.0 for key, probe in probes.items()}
-
-
 def validate_serving(trace: Trace, again: Trace | None = None,
                      steps: dict[tuple[str, str], list[StepRow]] | None = None) -> list[LoadFidelity]:
     """Every recorded (load, policy) replayed; ``again``: another recording of the same
@@ -285,20 +273,21 @@ def validate_serving(trace: Trace, again: Trace | None = None,
     load_names = sorted({load for load, _ in steps})
     leave_out = {load: fit_serving_costs(trace, steps, load, replayed) if len(load_names) > 1 else everything
                  for load in load_names}
-    slower = load_speeds(steps)
+    speeds = load_speeds(steps)
     results = []
     for (load, policy), rows in steps.items():
+        speed = speeds.get((load, policy), 1.0)  # each load priced at the machine's speed as it ran
         recorded = load_latencies(served_times(served[load, policy]))
-        run = loads.replay(load, policy, everything)
-        run_out = loads.replay(load, policy, leave_out[load])
+        run = loads.replay(load, policy, replace(everything, speed=speed))
+        run_out = loads.replay(load, policy, replace(leave_out[load], speed=speed))
         check = compare_steps(rows, replayed[load, policy])
         reproduced = rows[:check.num_equal]
-        errors = step_errors(everything, [Composition.of(row) for row in reproduced], reproduced,
+        errors = step_errors(replace(everything, speed=speed), [Composition.of(row) for row in reproduced], reproduced,
                              [step.draft_rows for step in replayed[load, policy][:check.num_equal]])
         results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
                                     load_latencies(run_out.times()),
                                     load_latencies(served_times(served_again[load, policy])) if again else None,
-                                    slower.get((load, policy))))
+                                    speeds[load, policy] - 1.0 if (load, policy) in speeds else None))
     return results
 
 

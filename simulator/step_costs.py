@@ -30,6 +30,17 @@ each request whose proposal is longer than j (a round's proposal is its verifica
 rows less one). What the points do not see
 (Python per step and per work) is ``StepOverhead``, a + b per work, fitted on recorded
 steps by least relative error, never negative.
+
+Each served load at its speed: the recorder probes the machine (one forward of one token
+of the target, ``profiler.run_noise.MachineSpeed``) just before each load, after waiting
+out a slow phase, and just after it; every step of the load holds the mean
+(``StepRow.probe_s``, schema 1.5). ``serve_validate`` fits the overheads on the steps'
+seconds at the loads' usual speed (each scaled by the loads' median probe over its own:
+``load_speeds``) and prices each load at its own (``StepCosts.speed``), scaled whole, as
+the batch-1 validation prices runs (``simulator.costs.at_usual_speed``): a batched step
+streams the weights, as the probe does. Over three ShareGPT recordings past the knee
+(24 loads) each load's time error had followed its probe with slopes of -0.29, -0.64 and
+-0.90 (docs/results.md section 32). A trace without probes is priced as timed.
 """
 from __future__ import annotations
 
@@ -39,6 +50,7 @@ from statistics import median
 from typing import Sequence
 
 from rakv.drafters import DRAFT_MODEL
+from profiler.schema import StepRow
 from rakv.op_timing import OpRow
 from rakv.scheduler import PREFILL, VERIFY
 from simulator.costs import CostModelError, Curve, Surface, least_relative_error, surface
@@ -139,11 +151,14 @@ class StepCosts:
     target: ForwardCosts
     draft: ForwardCosts | None
     overhead: StepOverhead = StepOverhead(0.0, 0.0)
+    # the machine's seconds per second of these costs: a load priced at its own speed
+    # (``load_speeds``); 1: at the speed they were fitted at
+    speed: float = 1.0
 
     def forward_s(self, composition) -> float:
         # a prefill chunk counts one logits row: the prompt's last computes one, the others none
         num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
-        return self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
+        return self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits) * self.speed
 
     def propose_s(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
@@ -151,13 +166,13 @@ class StepCosts:
         if not rounds or self.draft is None:
             return 0.0
         first = self.draft.seconds([(behind, c) for _, c, behind in rounds], len(rounds))  # a logits row each
-        return first + sum(self.draft.seconds([(1, c + j) for proposed, c, _ in rounds if proposed > j])
-                           for j in range(1, max(p for p, _, _ in rounds)))
+        return (first + sum(self.draft.seconds([(1, c + j) for proposed, c, _ in rounds if proposed > j])
+                            for j in range(1, max(p for p, _, _ in rounds)))) * self.speed
 
     def seconds(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """A step's seconds; ``draft_rows`` as ``draft_rounds`` takes them."""
-        return (self.forward_s(composition) + self.propose_s(composition, draft_rows) + self.overhead.per_step_s
-                + self.overhead.per_work_s * len(composition.rows))
+        return (self.forward_s(composition) + self.propose_s(composition, draft_rows)
+                + (self.overhead.per_step_s + self.overhead.per_work_s * len(composition.rows)) * self.speed)
 
 
 def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float],
@@ -205,3 +220,11 @@ def step_errors(costs: StepCosts, compositions: Sequence, rows: Sequence,
     return StepErrors(len(rows), mape(zip(modelled, (r.seconds for r in rows))),
                       mape((costs.forward_s(c), r.forward_s) for c, r in zip(compositions, rows)),
                       mape(drafting), 100.0 * (sum(modelled) / recorded_s - 1.0) if recorded_s > 0 else None)
+
+
+def load_speeds(steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], float]:
+    """Per recorded (load, policy) with a probe, how much longer the machine took than at
+    the loads' usual speed: its probe over their median (1: as usual); none without."""
+    probes = {key: rows[0].probe_s for key, rows in steps.items() if rows and rows[0].probe_s is not None}
+    usual = median(probes.values()) if probes else None
+    return {key: probe / usual for key, probe in probes.items()}

@@ -16,7 +16,7 @@ from profiler.record import main as record
 from rakv.op_timing import OpRow
 from simulator import serve_validate
 from simulator.serve_sim import run_load
-from simulator.step_costs import fit_forward, fit_step_costs
+from simulator.step_costs import fit_forward, fit_step_costs, load_speeds
 from simulator.trace import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
@@ -170,18 +170,29 @@ def test_the_validation_reports_every_load(recorded, capsys):
         assert row.simulated.output_tok_per_s == pytest.approx(row.recorded.output_tok_per_s, rel=0.25)
 
 
-def test_a_load_run_on_a_slow_machine_is_named(recorded, capsys):
-    """Each load's probe against the loads' median: how much slower the machine ran it."""
+def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded, capsys):
+    """Each load's probe against the loads' median: how much slower the machine ran it. The
+    step costs are fitted at the usual speed, so a load timed 1.2x slower beside a probe
+    1.2x slower fits as if it ran at the usual speed, and each load is priced at its own."""
     steps = serve_validate.recorded_table(recorded, "steps")
     assert all(rows[0].probe_s is not None for rows in steps.values())
     first, second = list(steps)[:2]
     usual = steps[first][0].probe_s
-    probed = {key: [replace(r, probe_s=usual * (1.2 if key == second else 1.0)) for r in rows]
-              for key, rows in steps.items()}
-    slower = serve_validate.load_speeds(probed)
-    assert slower[first] == 0.0 and slower[second] == pytest.approx(0.2)
-    assert serve_validate.load_speeds({key: [replace(r, probe_s=None) for r in rows]
-                                       for key, rows in steps.items()}) == {}  # recorded before schema 1.5
+
+    def slowed(factor: float) -> dict:  # the second load run (and probed) ``factor`` times slower
+        return {key: [replace(r, probe_s=usual * (factor if key == second else 1.0),
+                              seconds=r.seconds * (factor if key == second else 1.0)) for r in rows]
+                for key, rows in steps.items()}
+    speeds = load_speeds(slowed(1.2))
+    assert speeds[first] == 1.0 and speeds[second] == pytest.approx(1.2)
+    assert load_speeds({key: [replace(r, probe_s=None) for r in rows]
+                        for key, rows in steps.items()}) == {}  # recorded before schema 1.5
+    as_usual, slow = serve_validate.fit_serving_costs(recorded, slowed(1.0)), serve_validate.fit_serving_costs(
+        recorded, slowed(1.2))
+    assert slow.overhead.per_step_s == pytest.approx(as_usual.overhead.per_step_s, abs=1e-9)
+    assert slow.overhead.per_work_s == pytest.approx(as_usual.overhead.per_work_s, abs=1e-9)
+    step = serve_validate.replayed_steps(recorded, {second: steps[second]})[second][0]
+    assert replace(slow, speed=1.2).seconds(step.composition) == pytest.approx(1.2 * slow.seconds(step.composition))
     assert serve_validate.main(["--trace", str(recorded.path)]) == 0
     assert "| the machine, slower % |" in capsys.readouterr().out
 
