@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import rakv.calibrate
-from profiler.record import main, pass_starts
+from profiler.record import main
+from profiler.run_record import pass_starts
 from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
 from profiler.trace_io import final_path, parts_dir, read_meta, read_table
 from rakv.acceptance import replay_request
