@@ -11,7 +11,9 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   submitted when one finishes, in request order); ``rate=R``, an open loop at Poisson
   arrivals from the seed's arrival stream (``profiler.arrivals.arrivals_s``: every rate
   draws the same standard exponentials, so the rates of a sweep differ in rate only). With
-  neither given, the loads the trace recorded.
+  neither given, the loads the trace recorded; with its requests and seed too, each
+  recorded (load, policy) is priced at the machine's speed as it ran (its probe, schema
+  1.5: ``step_costs.load_speeds``), as ``serve_validate`` prices it.
 - Requests: the trace's serving requests (``config.serve_requests``), or ``--requests N``
   resampled with their prefix families (``simulator.schedule``).
 - Per (load, policy) a ``LoadResult``: p50/p90/p99 of TTFT, ITL (each request's mean after
@@ -58,7 +60,7 @@ from rakv.settings import DecisionInputs
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_table
-from simulator.step_costs import StepCosts
+from simulator.step_costs import StepCosts, load_speeds
 from simulator.trace import Trace
 
 FIXED = frozenset(fixed_policy_names(True))
@@ -239,20 +241,26 @@ def summary_lines(summary: SweepSummary) -> list[str]:
 
 
 def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loads: list[Load],
-                 slo: Slo | None = None) -> list[LoadResult]:
+                 slo: Slo | None = None, speeds: dict[tuple[str, str], float] | None = None) -> list[LoadResult]:
     """Every named policy at every load, in that order (load by load); ``foresight`` under
-    the replay's controller settings, as ``rakv``."""
+    the replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy),
+    the machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
+    ``serve_validate`` prices it; any other at the usual speed."""
     def policy(name: str):  # a name, or a fresh policy for each load
         return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
 
-    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, policy(name), costs), slo)
+    def at(load: Load, name: str) -> StepCosts:
+        return replace(costs, speed=(speeds or {}).get((load.label, name), 1.0))
+    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, policy(name), at(load, name)), slo)
                             for load in loads for name in names])
 
 
 def has_serving_grid(trace: Trace) -> bool:
     """Whether the trace can be replayed under load: batched forwards in its ops, or steps."""
-    if any(op.op == "batch" for op in trace.ops):
-        return True
+    return any(op.op == "batch" for op in trace.ops) or has_steps(trace)
+
+
+def has_steps(trace: Trace) -> bool:
     try:
         return bool(recorded_table(trace, "steps"))
     except TraceError:
@@ -307,7 +315,10 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
                             args.max_num_batched_tokens, args.itl_target, args.as_recorded)
-    results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo)
+    # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
+    recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
+    speeds = load_speeds(recorded_table(trace, "steps")) if recorded and has_steps(trace) else {}
+    results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo, speeds)
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))

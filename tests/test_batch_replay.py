@@ -6,8 +6,9 @@ op grid; simulator.serve_sim runs a load on that clock; simulator.serve_validate
 all three; bad input is one line."""
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,20 @@ def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded,
     assert replace(slow, speed=1.2).seconds(step.composition) == pytest.approx(1.2 * slow.seconds(step.composition))
     assert serve_validate.main(["--trace", str(recorded.path)]) == 0
     assert "| the machine, slower % |" in capsys.readouterr().out
+
+
+def test_a_probed_load_replays_at_its_speed_as_serve_validate_prices_it(recorded, capsys):
+    """``simulator.replay`` over a trace's own loads prices each recorded (load, policy) at
+    the machine's speed as it ran, so its latencies are ``serve_validate``'s free-running
+    ones; a sweep of its own at the same rate is priced at the usual speed."""
+    from simulator.replay import main as replay_main
+    speeds = load_speeds(serve_validate.recorded_table(recorded, "steps"))
+    assert speeds and any(abs(s - 1.0) > 1e-6 for s in speeds.values())  # a real recording's probes differ
+    assert replay_main(["--trace", str(recorded.path), "--as-recorded", "--policy", POLICIES, "--json"]) == 0
+    got = {(r["load"], r["policy"]): r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    for row in serve_validate.validate_serving(recorded):
+        assert got[row.load, row.policy]["ttft"] == asdict(row.simulated.ttft), (row.load, row.policy)
+        assert got[row.load, row.policy]["e2e"] == asdict(row.simulated.e2e), (row.load, row.policy)
 
 
 def test_again_sets_another_recording_of_the_loads_beside_this_one(recorded, capsys):
