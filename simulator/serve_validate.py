@@ -277,12 +277,13 @@ def validate_serving(trace: Trace, again: Trace | None = None,
     results = []
     for (load, policy), rows in steps.items():
         speed = speeds.get((load, policy), 1.0)  # each load priced at the machine's speed as it ran
+        at_speed = replace(everything, speed=speed)
         recorded = load_latencies(served_times(served[load, policy]))
-        run = loads.replay(load, policy, replace(everything, speed=speed))
+        run = loads.replay(load, policy, at_speed)
         run_out = loads.replay(load, policy, replace(leave_out[load], speed=speed))
         check = compare_steps(rows, replayed[load, policy])
         reproduced = rows[:check.num_equal]
-        errors = step_errors(replace(everything, speed=speed), [Composition.of(row) for row in reproduced], reproduced,
+        errors = step_errors(at_speed, [Composition.of(row) for row in reproduced], reproduced,
                              [step.draft_rows for step in replayed[load, policy][:check.num_equal]])
         results.append(LoadFidelity(load, policy, check, errors, recorded, load_latencies(run.times()),
                                     load_latencies(run_out.times()),

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Sequence
 
-from rakv.drafters import DRAFT_MODEL
 from profiler.schema import StepRow
+from rakv.drafters import DRAFT_MODEL
 from rakv.op_timing import OpRow
 from rakv.scheduler import PREFILL, VERIFY
 from simulator.costs import CostModelError, Curve, Surface, least_relative_error, surface
