@@ -44,7 +44,7 @@ import numpy as np
 
 from rakv.drafters import DRAFT_MODEL, MODEL_FREE, NGRAM, Columns, RunLengths
 from rakv.suffix_drafter import SUFFIX
-from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts, best_round
+from rakv.round_planner import AdaptiveRounds, PlannerConfig, RoundCosts
 from rakv.round_yield import run_rounds, unstopped_progress
 from rakv.step_load import StepLoad, longest_within
 from rakv.trees import sigmoid
@@ -183,35 +183,31 @@ class LearnedRounds(AdaptiveRounds):
             for drafter in self.drafters:
                 if self.longest_round(drafter, t):  # a model-free drafter with no proposal has no decision
                     self.log.append((t, drafter, self.features(drafter, signals[drafter], t)))
-        if self.model is None:
-            return super().plan(signals, t, load)
-        offset, best_rate, costs_s = self._prices(load)
-        bounds_s = load.pace_bounds_s if load is not None else ()
-        best, held = self._plain, self._held(load)
-        for drafter in self.drafters:
-            if drafter == held:
-                continue
-            longest = self.longest_round(drafter, t)
-            top = longest_within(costs_s[drafter], longest, bounds_s) if bounds_s else longest
-            if not top:
-                continue  # nothing to propose, or even its shortest round would make the step too slow
-            if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
-                a = self.estimate(drafter, signals[drafter])
-                if a <= 0.0:
-                    continue  # nothing proposed: no round of it can gain
-                progress, costs = self._priced(drafter, signals[drafter], a, costs_s[drafter])
-            else:
-                first, further = self.model.predict(drafter, self.features(drafter, signals[drafter], t, longest))
-                # no round can win if even its most tokens at its cheapest cannot (this only skips work)
-                cheapest = costs_s[drafter][1] if costs_s is not self.costs_s else self._cheapest_s(drafter)
-                if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
-                    continue
-                if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
-                    progress, costs = run_rounds(first, further, *self._stop_shares, costs_s[drafter], top)
-                else:  # as ``run_rounds`` prices them, read in place
-                    progress, costs = unstopped_progress(first, further, top), costs_s[drafter]
-            best_rate, best = best_round(drafter, progress, costs, top, offset, best_rate, best)
-        return best
+        return super().plan(signals, t, load)  # the skeleton's; its rounds priced by ``_rounds`` below
+
+    def _rounds(self, drafter: str, signal: int, t: int, offset: float, best_rate: float,
+                costs_s: Mapping[str, Sequence[float]], bounds_s: tuple[float, ...]
+                ) -> tuple[Sequence[float], Sequence[float], int] | None:
+        """``AdaptiveRounds._rounds`` with the model's runs for a drafter it has heads for."""
+        if self.model is None:  # a first pass: the analytic planner's rounds
+            return super()._rounds(drafter, signal, t, offset, best_rate, costs_s, bounds_s)
+        longest = self.longest_round(drafter, t)
+        top = longest_within(costs_s[drafter], longest, bounds_s) if bounds_s else longest
+        if not top:
+            return None  # nothing to propose, or even its shortest round would make the step too slow
+        if drafter not in self.model.heads:  # no model for it: the EWMA estimate's geometric runs
+            a = self.estimate(drafter, signal)
+            if a <= 0.0:
+                return None  # nothing proposed: no round of it can gain
+            return *self._priced(drafter, signal, a, costs_s[drafter]), top
+        first, further = self.model.predict(drafter, self.features(drafter, signal, t, longest))
+        # no round can win if even its most tokens at its cheapest cannot (this only skips work)
+        cheapest = costs_s[drafter][1] if costs_s is not self.costs_s else self._cheapest_s(drafter)
+        if (offset + 1.0 + first / max(1.0 - further, 1.0 / top)) < best_rate * cheapest:
+            return None
+        if drafter == DRAFT_MODEL and self._stop_shares != (0.0, 0.0):
+            return *run_rounds(first, further, *self._stop_shares, costs_s[drafter], top), top
+        return unstopped_progress(first, further, top), costs_s[drafter], top  # as ``run_rounds`` prices them
 
     def observe(self, drafter: str, signal: int, num_proposed: int, accepted: int,
                 probs: Sequence[float] = ()) -> None:

@@ -279,19 +279,27 @@ class AdaptiveRounds:
         for drafter in self.drafters:
             if drafter == held:
                 continue
-            top = longest_within(costs_s[drafter], self._max_k, bounds_s)
-            if not top:
-                continue  # even its shortest round would make the step too slow
-            signal = signals[drafter]
-            a = self.estimate(drafter, signal)
-            if costs_s is self.costs_s:
-                if a <= self._hopeless_at(drafter):
-                    continue  # no round of this drafter can win (``_hopeless_at``)
-            elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
-                continue  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
-            progress, costs = self._priced(drafter, signal, a, costs_s[drafter])
-            best_rate, best = best_round(drafter, progress, costs, top, offset, best_rate, best)
+            priced = self._rounds(drafter, signals[drafter], t, offset, best_rate, costs_s, bounds_s)
+            if priced is not None:
+                best_rate, best = best_round(drafter, *priced, offset, best_rate, best)
         return best
+
+    def _rounds(self, drafter: str, signal: int, t: int, offset: float, best_rate: float,
+                costs_s: Mapping[str, Sequence[float]], bounds_s: tuple[float, ...]
+                ) -> tuple[Sequence[float], Sequence[float], int] | None:
+        """(E_k, seconds of a round, the longest k) of ``drafter``'s rounds at t, priced by
+        ``costs_s`` within the pace ``bounds_s``, for ``plan`` to weigh against the rate so
+        far; None where none of them can win. The planners differ here alone."""
+        top = longest_within(costs_s[drafter], self._max_k, bounds_s)
+        if not top:
+            return None  # even its shortest round would make the step too slow
+        a = self.estimate(drafter, signal)
+        if costs_s is self.costs_s:
+            if a <= self._hopeless_at(drafter):
+                return None  # no round of this drafter can win (``_hopeless_at``)
+        elif a < 1.0 and (offset + 1.0 / (1.0 - a)) <= best_rate * costs_s[drafter][1]:
+            return None  # likewise under load: E_k < 1 / (1 - a), and every round costs at least its k = 1
+        return *self._priced(drafter, signal, a, costs_s[drafter]), top
 
     def _held(self, load: StepLoad | None) -> str | None:
         """The draft model where its round must wait: its catch-up would land in a step that

@@ -28,13 +28,13 @@ goodput, which turns on queues and latency bounds no single round sees.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from rakv.controller import CostModelPolicy
 from rakv.cost_model import Action, RequestFeatures
 from rakv.drafters import Columns
-from rakv.round_planner import AdaptiveRounds, best_round
-from rakv.step_load import StepLoad, longest_within
+from rakv.round_planner import AdaptiveRounds
+from rakv.step_load import longest_within
 
 NAME = "foresight"
 MEANING = "rakv knowing each round's outcome before it drafts"  # as the replay's outputs name it
@@ -46,21 +46,15 @@ class ForesightRounds(AdaptiveRounds):
     def bind(self, lengths: Mapping[str, Columns], tokens=()) -> None:
         self._runs = {d: lengths[d].runs for d in self.drafters}  # m_t, read at t (the store drafter's looked up then)
 
-    def plan(self, signals: Mapping[str, int], t: int = 0, load: StepLoad | None = None) -> tuple[str, int]:
-        held = self._held(load)
-        offset, best_rate, costs_s = self._prices(load)
-        bounds_s = load.pace_bounds_s if load is not None else ()
-        best = self._plain
-        for drafter in self.drafters:
-            if drafter == held:
-                continue
-            run = self._runs[drafter][t]
-            if not run:
-                continue  # a round would bring the target's one token, at more than a step's price
-            top = min(run, longest_within(costs_s[drafter], self._max_k, bounds_s))
-            # a round of k <= m_t brings its k tokens and the target's own: progress[k] = k + 1
-            best_rate, best = best_round(drafter, range(1, top + 2), costs_s[drafter], top, offset, best_rate, best)
-        return best
+    def _rounds(self, drafter: str, signal: int, t: int, offset: float, best_rate: float,
+                costs_s: Mapping[str, Sequence[float]], bounds_s: tuple[float, ...]
+                ) -> tuple[Sequence[float], Sequence[float], int] | None:
+        run = self._runs[drafter][t]
+        if not run:
+            return None  # a round would bring the target's one token, at more than a step's price
+        top = min(run, longest_within(costs_s[drafter], self._max_k, bounds_s))
+        # a round of k <= m_t brings its k tokens and the target's own: progress[k] = k + 1
+        return range(1, top + 2), costs_s[drafter], top
 
 
 @dataclass
