@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="before each run, op and served load, wait up to this long while a probe (one forward "
                         "of the target) is more than the noise tolerance slower than usual; each op, run and "
                         "load's steps are stored beside their probe's seconds (probe_s), which the simulator "
-                        "prices at the usual speed (a load's: serve_validate reports it); "
+                        "prices at the usual speed (a load's steps at its own); "
                         f"0: never probe (default: {NoiseGuard.max_wait_s:g})")
     p.add_argument("--policy", default="rakv", help="adaptive policy whose decisions are recorded; 'none' to skip")
     p.add_argument("--runs-policies", default="all", metavar="NAME[,NAME...]",
