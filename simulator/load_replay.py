@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
 from profiler.arrivals import parse_loads
-from profiler.schema import TraceError
 from profiler.serve_record import Load, loads_of
 from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, slo_option
 from rakv.choices import fixed_policy_names
@@ -59,7 +58,7 @@ from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.serve_sim import LoadRun
-from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_table
+from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_steps
 from simulator.step_costs import StepCosts, load_speeds
 from simulator.trace import Trace
 
@@ -257,14 +256,8 @@ def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loa
 
 def has_serving_grid(trace: Trace) -> bool:
     """Whether the trace can be replayed under load: batched forwards in its ops, or steps."""
-    return any(op.op == "batch" for op in trace.ops) or has_steps(trace)
+    return any(op.op == "batch" for op in trace.ops) or bool(recorded_steps(trace))
 
-
-def has_steps(trace: Trace) -> bool:
-    try:
-        return bool(recorded_table(trace, "steps"))
-    except TraceError:
-        return False
 
 
 def loads_given(trace: Trace, concurrency: str | None, rates: str | None) -> list[Load]:
@@ -317,8 +310,9 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
                             args.max_num_batched_tokens, args.itl_target, args.as_recorded)
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
-    speeds = load_speeds(recorded_table(trace, "steps")) if recorded and has_steps(trace) else {}
-    results = replay_loads(serving, fit_serving_costs(trace), names, loads, slo, speeds)
+    steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
+    results = replay_loads(serving, fit_serving_costs(trace, steps), names, loads, slo,
+                           load_speeds(steps) if recorded else {})
     if args.json:
         for r in results:
             print(json.dumps(asdict(r)))

@@ -153,20 +153,25 @@ def num_within(got: LoadLatencies, want: LoadLatencies, tolerance: float = TOLER
     return sum(abs(g / w - 1.0) <= tolerance if w > 0 else g == w for g, w in zip(figures(got), figures(want)))
 
 
+def recorded_steps(trace: Trace) -> dict[tuple[str, str], list[StepRow]]:
+    """The trace's recorded steps by (load, policy) (``recorded_table``); none where it has none."""
+    try:
+        return recorded_table(trace, "steps")
+    except TraceError:
+        return {}
+
+
 def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | None = None,
                       replayed: dict | None = None) -> StepCosts:
     """Step costs from the trace's op grid, the overheads fitted on its loads' recorded
-    steps (``steps``: ``recorded_table(trace, "steps")``, read here when None), all of
+    steps (``steps``: ``recorded_steps(trace)``, read here when None), all of
     them or all but load ``leave_out``'s, each with its draft catch-up rows, which a
     recorded step does not hold: its replay's (``replayed``: ``replayed_steps``, replayed
     here when None; of a load that the replay did not reproduce, the steps before the
     first difference). A trace with the serving grid but no steps: the grid alone, no
     overhead."""
     if steps is None:
-        try:
-            steps = recorded_table(trace, "steps")
-        except TraceError:
-            steps = {}
+        steps = recorded_steps(trace)
     keys = [key for key in steps if key[0] != leave_out]
     if replayed is None:
         replayed = replayed_steps(trace, {key: steps[key] for key in keys})
