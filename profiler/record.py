@@ -57,7 +57,7 @@ from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load
 from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_precision_arguments, run_cli
 from rakv.controller import ControllerConfig
-from rakv.scheduler import ITL_TARGET_HELP, BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP, BatchConfig
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
 from rakv.policies import check_policy
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--max-num-batched-tokens", type=int, default=BatchConfig.max_num_batched_tokens,
                        help=f"rows of one step at most (default: {BatchConfig.max_num_batched_tokens})")
     serve.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
+    serve.add_argument("--ttft-target", type=float, default=None, metavar="S",
+                       help=f"{TTFT_TARGET_HELP} (default: none, first come first served)")
     p.add_argument("--timing-trace", metavar="NAME", default=None,
                    help="with --skip ops runs: the trace beside this one (in the same directory) that holds "
                         "its timing, ops and runs of the same pair on this machine; a replay then needs "
@@ -288,11 +290,13 @@ def run(args) -> int:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
     if args.serve_resample is not None and args.serve_resample < 1:
         raise ValueError(f"--serve-resample must be at least 1, got {args.serve_resample}")
-    if args.itl_target is not None and args.itl_target <= 0:
-        raise ValueError(f"--itl-target must be positive, got {args.itl_target:g}")
+    for option in ("itl_target", "ttft_target"):
+        if getattr(args, option) is not None and getattr(args, option) <= 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option):g}")
     if args.recalibrate and args.resume:
         raise ValueError("--recalibrate cannot go with --resume: a resumed recording keeps the timings it began with")
-    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, itl_target_s=args.itl_target)
+    batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, itl_target_s=args.itl_target,
+                        ttft_target_s=args.ttft_target)
     pair, workload = load(args)
     run_policies(pair, args)  # a bad --runs-policies fails before any recording
     inputs = decision_inputs(pair, args)

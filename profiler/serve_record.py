@@ -64,7 +64,7 @@ def serve_load(engine, requests: list[RequestRow], load: Load, policy_name: str,
 
     def submit(index: int, arrival_s: float) -> None:
         row = requests[index]
-        request_id = engine.submit(list(row.prompt_ids), row.max_new_tokens)
+        request_id = engine.submit(list(row.prompt_ids), row.max_new_tokens, arrival_s=start + arrival_s)
         submitted[request_id] = (index, arrival_s, time.perf_counter() - start)
 
     while pending or engine.has_work():
@@ -79,9 +79,9 @@ def serve_load(engine, requests: list[RequestRow], load: Load, policy_name: str,
             if not engine.has_work():
                 time.sleep(max(arrivals[pending[0]] - now, 0.0))  # idle until the next arrival
                 continue
-        events = engine.step()
         # the step starts at the boundary its submissions were judged at: a replay admits
-        # those arrivals, and only those, before it
+        # those arrivals, and only those, before it (and judges a TTFT target's waits there)
+        events = engine.step(start + now)
         steps.append(StepRow(load.label, policy_name, len(steps), now, **asdict(engine.last_step)))
         for event in (e for e in events if e.finished):
             index, arrival_s, submitted_s = submitted[event.request_id]

@@ -85,7 +85,7 @@ class _Request:
     prompt: list[int]
     tokens: list[int]  # prompt + output so far
     policy: Policy
-    arrival_s: float
+    submitted_s: float  # time.perf_counter() at ``submit``: its result's times count from it
     decision: Decision | None = None  # made at its first admission
     admitted_s: float = 0.0
     decide_s: float = 0.0
@@ -119,8 +119,11 @@ class BatchEngine(Engine):
         self.last_step: StepRecord | None = None
 
     # -- requests ------------------------------------------------------------------
-    def submit(self, prompt_ids, max_new_tokens: int, policy: Policy | None = None) -> int:
-        """Queue a request; its id. Raises RequestError (one line) for one that can never run."""
+    def submit(self, prompt_ids, max_new_tokens: int, policy: Policy | None = None,
+               arrival_s: float | None = None) -> int:
+        """Queue a request; its id. Raises RequestError (one line) for one that can never run.
+        ``arrival_s``: when it arrived, on ``time.perf_counter``'s clock (None: now), where a
+        TTFT target's wait counts from; its result's times count from this call."""
         prompt = self.validate(prompt_ids, max_new_tokens)
         n = len(prompt)
         max_new = min(max_new_tokens, self.max_positions - n)
@@ -130,8 +133,10 @@ class BatchEngine(Engine):
                                f"memory budget of {self.batch.memory_budget_bytes / 2**20:.1f} MiB")
         request_id = self.num_requests
         self.num_requests += 1
-        seq = Seq(request_id, n, max_new, self._target_bytes, num_tokens=n, prefill_end=n)
-        self._requests[request_id] = _Request(seq, prompt, list(prompt), policy or self.policy, time.perf_counter())
+        submitted_s = time.perf_counter()
+        seq = Seq(request_id, n, max_new, self._target_bytes, num_tokens=n, prefill_end=n,
+                  arrival_s=submitted_s if arrival_s is None else arrival_s)
+        self._requests[request_id] = _Request(seq, prompt, list(prompt), policy or self.policy, submitted_s)
         self.scheduler.add(seq)
         return request_id
 
@@ -164,9 +169,10 @@ class BatchEngine(Engine):
                            f["accepted"])
 
     # -- a step --------------------------------------------------------------------
-    def step(self) -> list[TokenEvent]:
-        """One step: the scheduler's works, one batched target forward, the tokens."""
-        return self.run_works(self.scheduler.schedule())
+    def step(self, now_s: float | None = None) -> list[TokenEvent]:
+        """One step: the scheduler's works, one batched target forward, the tokens.
+        ``now_s``: the scheduler's time, on ``time.perf_counter``'s clock (None: now)."""
+        return self.run_works(self.scheduler.schedule(time.perf_counter() if now_s is None else now_s))
 
     def run_works(self, works: list[Work]) -> list[TokenEvent]:
         """Carry out a step's works (``Scheduler.schedule``'s, each of them once); the step's
@@ -315,8 +321,8 @@ class BatchEngine(Engine):
             request_id=seq.request_id, policy=req.policy.name, action=decision.action, num_prompt_tokens=n,
             hit_tokens=decision.match.hit_tokens, reused_tokens=decision.reuse.reused_tokens,
             draft_reused_tokens=decision.draft_reused or 0, hit_kind=decision.reuse.hit_kind,
-            output_ids=tuple(req.tokens[n:]), ttft_s=req.first_token_s - req.arrival_s, e2e_s=now - req.arrival_s,
-            decide_s=req.decide_s, rounds=tuple(req.rounds), queue_s=req.admitted_s - req.arrival_s,
+            output_ids=tuple(req.tokens[n:]), ttft_s=req.first_token_s - req.submitted_s, e2e_s=now - req.submitted_s,
+            decide_s=req.decide_s, rounds=tuple(req.rounds), queue_s=req.admitted_s - req.submitted_s,
             num_preemptions=seq.num_preemptions)
         self.scheduler.finish(seq)
         del self._requests[seq.request_id]

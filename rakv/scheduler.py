@@ -12,11 +12,12 @@ recomputed when it is admitted again.
 Invariants:
 - Order. ``running`` is in admission order. A step plans the decoding requests first, in
   that order (their rows are what keeps tokens flowing), then prefill chunks in that
-  order, then admits waiting requests from the front of ``waiting`` while rows, seats
-  and memory last. A preempted request goes back to the front of ``waiting``. A round's
-  planner is shown the rest of the step (``rakv.step_load.StepLoad``): the rounds planned
-  before it, one row for each decoding request after it, and whether the step prefills
-  (a running request's chunk, or a waiting request with a seat free).
+  order, then admits waiting requests from the front of ``waiting`` (with a TTFT target,
+  late ones last: "Late requests yield") while rows, seats and memory last. A preempted
+  request goes back to the front of ``waiting``. A round's planner is shown the rest of
+  the step (``rakv.step_load.StepLoad``): the rounds planned before it, one row for each
+  decoding request after it, and whether the step prefills (a running request's chunk,
+  or a waiting request with a seat free).
 - Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
   clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
   a request's rounds, never its tokens.
@@ -39,6 +40,18 @@ Invariants:
   pace (the load is past what they serve at the target), tokens per second is what
   brings requests back, and rounds are priced by it alone. The clock is the price, not
   the wall, so a replay makes the engine's choices exactly.
+- Late requests yield (with ``ttft_target_s``). A waiting request not yet admitted that
+  has waited past the target (``schedule``'s ``now_s`` less its ``arrival_s``: the
+  engine's wall clock, a replay's modelled one) has missed a TTFT bound at the target
+  whatever runs: admission takes the first request still in time (or admitted before: a
+  preempted one), and the oldest late one only where none is; first come first served
+  within each. Past the knee, first come first served makes every request late (each
+  waits behind all that came before); this keeps serving those that can still be in
+  time. They also bound a round's step as a pace does (``StepLoad.pace_bounds_s``): to
+  half the least time any request still waiting in time for its first token (not
+  admitted, or prefilling) has left, so that this step and one more like it, its
+  prefill's, end within the target. A first token comes at the end of the step that
+  admits the request, and one arriving meanwhile first waits out the step under way.
 """
 from __future__ import annotations
 
@@ -50,6 +63,9 @@ from typing import Callable
 from rakv.drafters import DRAFT_MODEL
 from rakv.step_load import DECODE, PREFILL, VERIFY, StepLoad, deepen
 
+TTFT_TARGET_HELP = ("the time to first token to serve requests within, in seconds (your TTFT bound): a request "
+                    "that has waited longer yields its turn to those still in time (first come first served within "
+                    "each), and no round makes a step longer than half the least time a request in time has left")
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 
@@ -63,13 +79,18 @@ class BatchConfig:
     # longer than another decoding request's pace allows (``Scheduler``'s "Pace"). None:
     # rounds are priced by tokens per second alone.
     itl_target_s: float | None = None
+    # Waiting requests past this many seconds since they arrived yield their turn to those
+    # still in time, and those in time bound the rounds' steps (``Scheduler``'s "Late
+    # requests yield"). None: first come first served, steps bounded by no wait.
+    ttft_target_s: float | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "memory_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.itl_target_s is not None and not self.itl_target_s > 0:
-            raise ValueError(f"itl_target_s must be above 0, got {self.itl_target_s}")
+        for name in ("itl_target_s", "ttft_target_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be above 0, got {getattr(self, name)}")
 
 
 @dataclass(eq=False)
@@ -91,6 +112,7 @@ class Seq:
     # positions the walk accounts to its draft model's cache (``rakv.rounds.draft_cache_after``),
     # kept by the engine and the replay: a round of it first catches up on num_tokens minus these
     draft_seen: int = 0
+    arrival_s: float = 0.0  # when it arrived, on the clock ``Scheduler.schedule`` is given
 
     @property
     def t(self) -> int:
@@ -184,8 +206,9 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # -- a step ------------------------------------------------------------------
-    def schedule(self) -> list[Work]:
-        """The works of the next step (empty when nothing can run)."""
+    def schedule(self, now_s: float = 0.0) -> list[Work]:
+        """The works of the next step (empty when nothing can run); ``now_s``: the time on
+        the clock of the requests' ``arrival_s`` (read only with a TTFT target)."""
         budget = self.config.max_num_batched_tokens
         pacing = self.price_s is not None and self.config.itl_target_s is not None
         if pacing:
@@ -198,6 +221,7 @@ class Scheduler:
         num_alive = len(decoding)  # those not preempted: a prefix of them (preemption takes the newest)
         planned_rows, depths = 0, []  # the rounds planned so far: their rows, and their draft depths (StepLoad)
         paces = self._paces(decoding) if pacing else []
+        waits = self._ttft_bounds(now_s)
         # whether the step will prefill: a running request's next chunk, or an admission
         prefills = any(seq.prefilling for seq in self.running) or bool(
             self.waiting and len(self.running) < self.config.max_num_seqs)
@@ -211,7 +235,7 @@ class Scheduler:
                 break  # it preempted itself, and every one after it before
             unplanned = num_alive - i - 1
             load = StepLoad(len(works) + unplanned, planned_rows + unplanned, tuple(depths),
-                            _bounds_beside(seq, paces) if paces else (),
+                            _bounds_beside(seq, paces, waits) if paces or waits else (),
                             seq.draft_behind if prefills else 0)
             drafter, k = seq.moves.plan_move(seq.t, rows - 1, load)
             works.append(self._planned(Work(seq, VERIFY if k > 0 else DECODE, k + 1, drafter, k)))
@@ -227,14 +251,17 @@ class Scheduler:
                 works.append(work)
                 budget -= work.rows
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting(now_s)
             if not seq.admitted:
                 self.admit(seq)
                 seq.admitted = True
             work = self._chunk(seq, budget) if seq.prefilling else None
             if not self._fits(seq, work.rows if work is not None else 1):
                 break  # FCFS: nothing overtakes it; it runs when memory frees up
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
             self.running.append(seq)
             self._reserve(seq, seq.num_computed + (work.rows if work is not None else 0))
             if work is not None:
@@ -249,6 +276,28 @@ class Scheduler:
         clock. The engine and the replay call it once per step, before the next ``schedule``."""
         if self._pace_before:
             self._pace_price_s = self.price_s(step)
+
+    def _ttft_bounds(self, now_s: float) -> tuple[float, ...]:
+        """With a TTFT target, the bound that the requests still waiting for their first
+        token in time put on a round's step: half the least time left to the target among
+        them (this step and one more like it, its prefill's, within it); () where none is."""
+        target_s = self.config.ttft_target_s
+        if target_s is None:
+            return ()
+        waited_s = [now_s - seq.arrival_s for seq in self.waiting if not seq.admitted]
+        waited_s += [now_s - seq.arrival_s for seq in self.running if seq.prefilling and seq.t == 0]
+        in_time = [w for w in waited_s if w <= target_s]
+        return (0.5 * (target_s - max(in_time)),) if in_time else ()
+
+    def _next_waiting(self, now_s: float) -> Seq:
+        """The waiting request to admit next: the front; with a TTFT target the first still
+        in time (admitted before, or waiting at most the target), the front where none is."""
+        target_s = self.config.ttft_target_s
+        if target_s is not None:
+            for seq in self.waiting:
+                if seq.admitted or now_s - seq.arrival_s <= target_s:
+                    return seq
+        return self.waiting[0]
 
     # -- pace --------------------------------------------------------------------
     def _pace_last_step(self) -> None:
@@ -322,6 +371,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
 
-def _bounds_beside(seq: Seq, paces: list[tuple[float, Seq]]) -> tuple[float, ...]:
-    """The other requests' paces (``StepLoad.pace_bounds_s``), tightest first."""
-    return tuple(bound_s for bound_s, other in paces if other is not seq)
+def _bounds_beside(seq: Seq, paces: list[tuple[float, Seq]], waits: tuple[float, ...]) -> tuple[float, ...]:
+    """The other requests' paces and the waits' bound (``StepLoad.pace_bounds_s``), tightest first."""
+    bounds = tuple(bound_s for bound_s, other in paces if other is not seq)
+    return tuple(sorted(bounds + waits)) if waits else bounds

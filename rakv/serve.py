@@ -36,7 +36,7 @@ from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_pair_arguments, run_cli
 from rakv.engine import RequestError
 from rakv.models import PairError
-from rakv.scheduler import ITL_TARGET_HELP, BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP, BatchConfig
 from rakv.serve_api import (ApiError, ChatRequest, CompletionRequest, Decoding, OutputText, Shape, chat_prompt_ids,
                             check_request, prompt_ids, usage)
 from rakv.serve_loop import EngineFailure, EngineLoop, RequestStream
@@ -252,6 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="running requests' KV plus the prefix store "
                         f"(default: {defaults.memory_budget_bytes / 2**20:g} MiB)")
     p.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
+    p.add_argument("--ttft-target", type=float, default=None, metavar="S",
+                   help=f"{TTFT_TARGET_HELP} (default: none, first come first served)")
     p.add_argument("--recalibrate", action="store_true", help=RECALIBRATE_HELP)
     return p.parse_args(argv)
 
@@ -261,7 +263,7 @@ def check_args(args: argparse.Namespace) -> None:
     for option in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, option) < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
-    for option in ("memory_budget_mib", "store_budget_mib", "itl_target"):
+    for option in ("memory_budget_mib", "store_budget_mib", "itl_target", "ttft_target"):
         if getattr(args, option) is not None and getattr(args, option) <= 0:
             raise ValueError(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
     from rakv.policies import check_policy
@@ -286,7 +288,7 @@ def build_engine(args: argparse.Namespace):
                             pair.target_fingerprint, pair.draft_fingerprint, args.pair, args.strict)
     config = EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store))
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, int(args.memory_budget_mib * 2**20),
-                        args.itl_target)
+                        args.itl_target, args.ttft_target)
     return BatchEngine(pair, policy, config, batch, timings=timings)
 
 

@@ -184,9 +184,14 @@ class EngineLoop:
                 self.metrics.aborted()
             return
         try:
-            request_id = self.engine.submit(command.prompt_ids, command.max_new_tokens)
+            request_id = self.engine.submit(command.prompt_ids, command.max_new_tokens, arrival_s=stream.arrival_s)
         except RequestError as exc:
             self._post(stream, Rejected(_first_line(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - the engine's fault: this request fails, the others run on
+            log.exception("engine submit failed")
+            self._post(stream, Failed(f"the engine failed: {type(exc).__name__}: {_first_line(exc)}"))
+            self.metrics.failed(1)
             return
         stream._engine_id = request_id
         self._live[request_id] = stream

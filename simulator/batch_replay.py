@@ -87,8 +87,9 @@ class BatchReplay:
         self._draft_bytes = inputs.draft_sizes.kv_bytes_per_token if inputs.draft_sizes is not None else 0
         self.num_submitted = 0
 
-    def submit(self, recorded: RecordedRequest, max_new_tokens: int) -> int:
-        """Queue a recorded request (as ``BatchEngine.submit``); its id, in submission order."""
+    def submit(self, recorded: RecordedRequest, max_new_tokens: int, arrival_s: float = 0.0) -> int:
+        """Queue a recorded request (as ``BatchEngine.submit``; ``arrival_s`` on ``step``'s
+        clock); its id, in submission order."""
         if max_new_tokens > recorded.max_new_tokens:
             raise SessionError(f"request {recorded.request_id} was recorded up to {recorded.max_new_tokens} new "
                                f"tokens; a replay cannot ask for {max_new_tokens}")
@@ -96,7 +97,7 @@ class BatchReplay:
         max_new = min(max_new_tokens, self.inputs.max_positions - n)
         request_id = self.num_submitted
         self.num_submitted += 1
-        seq = Seq(request_id, n, max_new, self._target_bytes, num_tokens=n, prefill_end=n)
+        seq = Seq(request_id, n, max_new, self._target_bytes, num_tokens=n, prefill_end=n, arrival_s=arrival_s)
         self._live[request_id] = _Live(seq, recorded, output_length(recorded, max_new))
         self.scheduler.add(seq)
         return request_id
@@ -104,11 +105,11 @@ class BatchReplay:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> ReplayedStep:
-        """One step: the scheduler's works carried out (the finished requests in the order
-        the engine finishes them)."""
+    def step(self, now_s: float = 0.0) -> ReplayedStep:
+        """One step at ``now_s`` (the modelled clock): the scheduler's works carried out (the
+        finished requests in the order the engine finishes them)."""
         self._first_tokens = []
-        works = self.scheduler.schedule()
+        works = self.scheduler.schedule(now_s)
         draft_rows = tuple(self._draft_behind(w) for w in works)
         for work in works:  # the engine proposes every round before the step's forward
             if work.kind == VERIFY:

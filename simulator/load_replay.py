@@ -301,13 +301,17 @@ def markdown(results: list[LoadResult], title: str) -> str:
     return "\n".join(lines)
 
 
+def _seconds(target_s: float | None) -> str:
+    return "none" if target_s is None else f"{target_s:g} s"
+
+
 def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], title: str) -> int:
     """``simulator.replay``'s batched mode: ``names`` (checked, no oracle) at the loads
     ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.itl_target, args.as_recorded)
+                            args.max_num_batched_tokens, args.itl_target, args.as_recorded, args.ttft_target)
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
@@ -320,9 +324,8 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
         batch = serving.batch
         print(markdown(results, f"{title}\n{len(serving.requests)} requests, up to {serving.max_new} new tokens "
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
-                                f"{batch.max_num_batched_tokens}; ITL target "
-                                f"{f'{batch.itl_target_s:g} s' if batch.itl_target_s else 'none'}; steps priced "
-                                f"from the serving grid"))
+                                f"{batch.max_num_batched_tokens}; ITL target {_seconds(batch.itl_target_s)}; "
+                                f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid"))
     if args.plot is not None:
         from simulator.plots import write_load_plots
         for path in write_load_plots(args.plot, results, trace.path.name):

@@ -42,7 +42,7 @@ from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
 from rakv.policies import LEARNED, check_policy, shipped_policy
-from rakv.scheduler import ITL_TARGET_HELP
+from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
@@ -272,6 +272,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="rows of one step at most (default: the recording's)")
     load.add_argument("--itl-target", type=float, default=None, metavar="S",
                       help=f"{ITL_TARGET_HELP}; 0: none (default: the recording's)")
+    load.add_argument("--ttft-target", type=float, default=None, metavar="S",
+                      help=f"{TTFT_TARGET_HELP}; 0: none (default: the recording's)")
     load.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
                       help="bounds in seconds, any subset, for goodput: the requests meeting every bound per second "
                            "(itl: a request's mean inter-token latency); default: no goodput")
@@ -335,8 +337,9 @@ def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.itl_target is not None and args.itl_target < 0:
-        raise ValueError(f"--itl-target must be 0 (none) or above, got {args.itl_target:g}")
+    for option in ("itl_target", "ttft_target"):
+        if getattr(args, option) is not None and getattr(args, option) < 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be 0 (none) or above, got {getattr(args, option):g}")
     trace = load_trace(args.trace)
     settings = replay_settings(args, trace)
     if has_serving_grid(trace):
@@ -344,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
     given = [option for option, value in (("--concurrency", args.concurrency), ("--slo", args.slo),
                                           ("--max-num-seqs", args.max_num_seqs),
                                           ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                                          ("--itl-target", args.itl_target))
+                                          ("--itl-target", args.itl_target),
+                                          ("--ttft-target", args.ttft_target))
              if value is not None]
     rates = args.arrival_rate.split(",") if args.arrival_rate is not None else [None]
     if given or len(rates) > 1:

@@ -67,10 +67,11 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
     clock = 0.0
 
     def submit(index: int, at_s: float) -> None:
-        request_id = replay.submit(requests[index], max_new_tokens)
+        request_id = replay.submit(requests[index], max_new_tokens, at_s)
         index_of[request_id], arrival[request_id] = index, at_s
 
     while pending or replay.has_work():
+        admit_s = clock
         if arrivals_s is None:
             while pending and len(arrival) - len(timed) < concurrency:
                 submit(pending.popleft(), clock)
@@ -83,7 +84,7 @@ def run_load(replay: BatchReplay, requests: list[RecordedRequest], max_new_token
             while pending and arrivals_s[pending[0]] <= admit_s:
                 index = pending.popleft()
                 submit(index, arrivals_s[index])
-        step = replay.step()
+        step = replay.step(admit_s)  # the step boundary its admissions were judged at
         steps.append(step)
         if costs is not None:
             clock += costs.seconds(step.composition, step.draft_rows)

@@ -200,24 +200,27 @@ class ServingReplay:
     def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
                  seed: int | None = None, strict: bool = False, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, itl_target_s: float | None = None,
-                 recorded_policies: bool | None = None):
+                 recorded_policies: bool | None = None, ttft_target_s: float | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
         (``simulator.schedule``, from ``seed``) instead of the ones it served (its first
         ``serve_requests``, or the ``serve_resample`` it drew from its seed).
-        The batching limits and the ITL target: the recording's where None (a target of 0:
-        none). ``recorded_policies``: a learned policy the trace served decides with the
+        The batching limits and the ITL and TTFT targets: the recording's where None (a
+        target of 0: none). ``recorded_policies``: a learned policy the trace served decides with the
         trace's copy of its files (``simulator.session.trace_policy``), not the shipped
         one; None: where the settings are the recording's (``inputs`` None)."""
         config = trace.meta.config
         self.trace = trace
         self.inputs = trace.require_inputs() if inputs is None else inputs
         self.recorded_policies = inputs is None if recorded_policies is None else recorded_policies
-        if itl_target_s is None:
-            itl_target_s = config.get("itl_target")  # recorded since the target was added; before, none
+
+        def target(given: float | None, key: str) -> float | None:
+            value = config.get(key) if given is None else given  # recorded since it was added; before, none
+            return float(value) if value else None
         self.batch = BatchConfig(int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
                                  int(config["max_num_batched_tokens"] if max_num_batched_tokens is None
                                      else max_num_batched_tokens),
-                                 itl_target_s=float(itl_target_s) if itl_target_s else None)
+                                 itl_target_s=target(itl_target_s, "itl_target"),
+                                 ttft_target_s=target(ttft_target_s, "ttft_target"))
         self.max_new = int(config["max_new_tokens"])
         recorded_seed = int(config.get("seed") or 0)
         self.seed = recorded_seed if seed is None else seed

@@ -62,7 +62,7 @@ class FakeEngine:
             raise RequestError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         return list(prompt_ids)
 
-    def submit(self, prompt_ids, max_new_tokens):
+    def submit(self, prompt_ids, max_new_tokens, arrival_s=None):
         prompt = tuple(self.validate(prompt_ids, max_new_tokens))
         steps = self.scripts.get(prompt) or [(97 + (sum(prompt) + i) % 26,) for i in range(max_new_tokens)]
         self.next_id += 1
@@ -284,6 +284,22 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(caplog):
         assert client.post("/v1/completions", json={"prompt": "fine"}).status_code == 200
         assert loop.alive and metric(client.get("/metrics").text, "rakv_requests_failed_total") == 2
     assert sum("engine step failed" in r.message for r in caplog.records) == 2  # one traceback per failure
+
+
+def test_a_failure_on_submit_is_a_500_not_a_hang():
+    engine = FakeEngine()
+    submit = engine.submit
+
+    def broken(prompt_ids, max_new_tokens, arrival_s=None):
+        engine.submit = submit  # once
+        raise RuntimeError("a scripted submit failure")
+    engine.submit = broken
+    with started(engine) as (client, loop):
+        r = client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == "the engine failed: RuntimeError: a scripted submit failure"
+        assert client.post("/v1/completions", json={"prompt": "fine"}).status_code == 200
+        assert loop.alive and metric(client.get("/metrics").text, "rakv_requests_failed_total") == 1
 
 
 def test_api_key_guards_every_route_but_health():
