@@ -310,8 +310,10 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
-    serving = ServingReplay(trace, inputs, args.requests, args.seed, args.strict, args.max_num_seqs,
-                            args.max_num_batched_tokens, args.itl_target, args.as_recorded, args.ttft_target)
+    serving = ServingReplay(trace, inputs, args.requests, args.seed, strict=args.strict,
+                            recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
+                            ttft_target_s=args.ttft_target)
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too

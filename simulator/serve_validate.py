@@ -198,16 +198,17 @@ class ServingReplay:
     given instead."""
 
     def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
-                 seed: int | None = None, strict: bool = False, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, itl_target_s: float | None = None,
-                 recorded_policies: bool | None = None, ttft_target_s: float | None = None):
+                 seed: int | None = None, *, strict: bool = False, recorded_policies: bool | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 itl_target_s: float | None = None, ttft_target_s: float | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
         (``simulator.schedule``, from ``seed``) instead of the ones it served (its first
         ``serve_requests``, or the ``serve_resample`` it drew from its seed).
         The batching limits and the ITL and TTFT targets: the recording's where None (a
-        target of 0: none). ``recorded_policies``: a learned policy the trace served decides with the
-        trace's copy of its files (``simulator.session.trace_policy``), not the shipped
-        one; None: where the settings are the recording's (``inputs`` None)."""
+        target of 0: none). ``recorded_policies``: a learned policy the trace served
+        decides with the trace's copy of its files (``simulator.session.trace_policy``),
+        not the shipped one; None: where the settings are the recording's (``inputs``
+        None)."""
         config = trace.meta.config
         self.trace = trace
         self.inputs = trace.require_inputs() if inputs is None else inputs
