@@ -164,7 +164,7 @@ class EngineLoop:
                 self._dispatch(events)
             except Exception as exc:  # noqa: BLE001 - the thread must outlive any engine error
                 log.exception("engine step failed; failing the %d request(s) in the engine", len(self._live))
-                self._fail_all(f"the engine failed: {type(exc).__name__}: {_first_line(exc)}")
+                self._fail_all(_engine_failed(exc))
                 wedged = self._has_work_safely()
 
     def _drain(self, block: bool) -> list:
@@ -190,7 +190,7 @@ class EngineLoop:
             return
         except Exception as exc:  # noqa: BLE001 - the engine's fault: this request fails, the others run on
             log.exception("engine submit failed")
-            self._post(stream, Failed(f"the engine failed: {type(exc).__name__}: {_first_line(exc)}"))
+            self._post(stream, Failed(_engine_failed(exc)))
             self.metrics.failed(1)
             return
         stream._engine_id = request_id
@@ -244,6 +244,11 @@ class EngineLoop:
             return self.engine.has_work()
         except Exception:  # noqa: BLE001 - a broken engine: wait for the next command before trying again
             return True
+
+
+def _engine_failed(exc: BaseException) -> str:
+    """What a request the engine failed is told (one line)."""
+    return f"the engine failed: {type(exc).__name__}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:
