@@ -7,8 +7,9 @@ an idle machine's trade-offs, and what pays under load is not what pays alone (r
 section 15: prompt lookup +26 % at one request in flight, -15 % at four). The sweep's
 requests are the trace's, resampled with their prefix families to ``num_requests`` (one
 request of 16 is 6 % of a rate's goodput; a smoother objective needs more), on the
-trace's step model (``simulator.step_costs``), as ``simulator.replay --arrival-rate R,...
---slo ...`` replays them.
+trace's step model (``simulator.step_costs``), under the recording's ITL and TTFT
+targets or those given, as ``simulator.replay --arrival-rate R,... --slo ...
+[--itl-target S] [--ttft-target S]`` replays them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class SweepConfig:
     slo: Slo  # a request counts towards goodput if it meets every stated bound
     num_requests: int = 200  # resampled from the trace's, with their prefix families
     seed: int = 0  # of the resampling and the arrivals
+    # the server's targets (``rakv.scheduler.BatchConfig``): None, the recording's; 0, none
+    itl_target_s: float | None = None
+    ttft_target_s: float | None = None
 
 
 class LoadSweep:
@@ -45,7 +49,8 @@ class LoadSweep:
             raise ValueError("a rate sweep's goodput needs an SLO of at least one bound")
         self.trace: Trace = trace
         self.config = config
-        self.serving = ServingReplay(trace, trace.decision_inputs(Settings()), config.num_requests, config.seed)
+        self.serving = ServingReplay(trace, trace.decision_inputs(Settings()), config.num_requests, config.seed,
+                                     itl_target_s=config.itl_target_s, ttft_target_s=config.ttft_target_s)
         self.costs = fit_serving_costs(trace)
         self._named: dict[str, float] = {}
 

@@ -45,9 +45,11 @@ from rakv.controller import ControllerConfig
 from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, LearnedPolicy, PolicyFile, head_file,
                           token_priors_to_json)
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
+from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
 from rakv.settings import Settings, settings_to_json
 from rakv.trees import compile_model
 from simulator.costs import CostModelError
+from simulator.serve_validate import check_targets
 from simulator.session import SessionError
 from simulator.timing import load_timing
 from simulator.trace import load_trace
@@ -77,6 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="the goodput's bounds in seconds, any subset (needed with --serve-trace)")
     load.add_argument("--serve-requests", type=int, default=200, metavar="N",
                       help="requests per rate, resampled with their prefix families (default: 200)")
+    load.add_argument("--itl-target", type=float, default=None, metavar="S",
+                      help=f"the sweep's server: {ITL_TARGET_HELP}; 0: none (default: each trace's recording's)")
+    load.add_argument("--ttft-target", type=float, default=None, metavar="S",
+                      help=f"the sweep's server: {TTFT_TARGET_HELP}; 0: none (default: each trace's recording's)")
     return p.parse_args(argv)
 
 
@@ -88,8 +94,10 @@ def load_sweeps(args: argparse.Namespace, pair: str | None) -> list[LoadSweep]:
         raise ValueError("--serve-trace needs --arrival-rate and --slo: the sweep whose goodput scores a trial")
     if args.serve_requests < 1:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
+    check_targets(args.itl_target, args.ttft_target)
     slo = slo_option(args.slo)
-    config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, args.seed)
+    config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, args.seed,
+                         args.itl_target, args.ttft_target)
     sweeps = [LoadSweep(path, config) for path in args.serve_trace]
     for sweep in sweeps:
         if sweep.trace.meta.models.get("pair") != pair:
@@ -340,6 +348,7 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
                    if subset(trace, test).requests]
     under_load = [{"trace": sweep.trace.path.name, "rates_per_s": list(sweep.config.rates_per_s),
                    "slo": sweep.config.slo.describe(), "num_requests": sweep.config.num_requests,
+                   "itl_target_s": sweep.serving.batch.itl_target_s, "ttft_target_s": sweep.serving.batch.ttft_target_s,
                    "goodput_per_s": {"learned": learned_goodput_per_s(sweep, policy_file),
                                      **{name: sweep.goodput_per_s(name) for name in ("rakv", "kv-only")}}}
                   for sweep in sweeps]
@@ -377,7 +386,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{share(e['headroom_captured'])} (causal: {share(e['causal_headroom_captured'])})", file=sys.stderr)
         for e in report["under_load"]:
             goodput = e["goodput_per_s"]
-            print(f"{e['trace']} at {', '.join(f'{r:g}' for r in e['rates_per_s'])} req/s ({e['slo']}; tuned on it): "
+            targets = "".join(f"; {name} target {e[key]:g} s" for name, key in (("ITL", "itl_target_s"),
+                                                                                   ("TTFT", "ttft_target_s")) if e[key])
+            print(f"{e['trace']} at {', '.join(f'{r:g}' for r in e['rates_per_s'])} req/s ({e['slo']}{targets}; "
+                  f"tuned on it): "
                   f"goodput summed, learned {goodput['learned']:.3f} req/s, rakv {goodput['rakv']:.3f}, kv-only "
                   f"{goodput['kv-only']:.3f}", file=sys.stderr)
         print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)

@@ -13,7 +13,8 @@ Invariants:
 - Order. ``running`` is in admission order. A step plans the decoding requests first, in
   that order (their rows are what keeps tokens flowing), then prefill chunks in that
   order, then admits waiting requests from the front of ``waiting`` (with a TTFT target,
-  late ones last: "Late requests yield") while rows, seats and memory last. A preempted
+  those in time first, and late ones only in a lull: "Late requests yield") while rows,
+  seats and memory last. A preempted
   request goes back to the front of ``waiting``. A round's planner is shown the rest of
   the step (``rakv.step_load.StepLoad``): the rounds planned before it, one row for each
   decoding request after it, and whether the step prefills (a running request's chunk,
@@ -44,10 +45,12 @@ Invariants:
   has waited past the target (``schedule``'s ``now_s`` less its ``arrival_s``: the
   engine's wall clock, a replay's modelled one) has missed a TTFT bound at the target
   whatever runs: admission takes the first request still in time (or admitted before: a
-  preempted one), and the oldest late one only where none is; first come first served
-  within each. Past the knee, first come first served makes every request late (each
-  waits behind all that came before); this keeps serving those that can still be in
-  time. They also bound a round's step as a pace does (``StepLoad.pace_bounds_s``): to
+  preempted one); first come first served within each. A late request is admitted only
+  in a lull, where none waits in time and none admitted in time still runs (``Seq.late``:
+  admitted past the target), so that it takes no seat or row a request in time could
+  use; under sustained overload it waits until the load ebbs. Past the knee, first come
+  first served makes every request late (each waits behind all that came before); this
+  keeps serving those that can still be in time. Those in time also bound a round's step as a pace does (``StepLoad.pace_bounds_s``): to
   half the least time any request still waiting in time for its first token (not
   admitted, or prefilling) has left, so that this step and one more like it, its
   prefill's, end within the target. A first token comes at the end of the step that
@@ -65,7 +68,7 @@ from rakv.step_load import DECODE, PREFILL, VERIFY, StepLoad, deepen
 
 TTFT_TARGET_HELP = ("the time to first token to serve requests within, in seconds (your TTFT bound): a request "
                     "that has waited longer yields its turn to those still in time (first come first served within "
-                    "each), and no round makes a step longer than half the least time a request in time has left")
+                    "each) and runs only when none of them runs, and no round makes a step longer than half the least time a request in time has left")
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 
@@ -80,8 +83,9 @@ class BatchConfig:
     # rounds are priced by tokens per second alone.
     itl_target_s: float | None = None
     # Waiting requests past this many seconds since they arrived yield their turn to those
-    # still in time, and those in time bound the rounds' steps (``Scheduler``'s "Late
-    # requests yield"). None: first come first served, steps bounded by no wait.
+    # still in time and run in lulls, and those in time bound the rounds' steps
+    # (``Scheduler``'s "Late requests yield"). None: first come first served, steps
+    # bounded by no wait.
     ttft_target_s: float | None = None
 
     def __post_init__(self):
@@ -113,6 +117,7 @@ class Seq:
     # kept by the engine and the replay: a round of it first catches up on num_tokens minus these
     draft_seen: int = 0
     arrival_s: float = 0.0  # when it arrived, on the clock ``Scheduler.schedule`` is given
+    late: bool = False  # admitted past the TTFT target: it missed its bound whatever runs ("Late requests yield")
 
     @property
     def t(self) -> int:
@@ -223,8 +228,9 @@ class Scheduler:
         paces = self._paces(decoding) if pacing else []
         waits = self._ttft_bounds(now_s)
         # whether the step will prefill: a running request's next chunk, or an admission
-        prefills = any(seq.prefilling for seq in self.running) or bool(
-            self.waiting and len(self.running) < self.config.max_num_seqs)
+        prefills = any(seq.prefilling for seq in self.running) or (
+            bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+            and self._next_waiting(now_s) is not None)
         for i, seq in enumerate(decoding):
             if i >= num_alive or budget == 0:
                 break
@@ -252,9 +258,12 @@ class Scheduler:
                 budget -= work.rows
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting(now_s)
+            if seq is None:
+                break  # only late requests wait, beside one in time
             if not seq.admitted:
                 self.admit(seq)
                 seq.admitted = True
+                seq.late = self._is_late(seq, now_s)
             work = self._chunk(seq, budget) if seq.prefilling else None
             if not self._fits(seq, work.rows if work is not None else 1):
                 break  # FCFS: nothing overtakes it; it runs when memory frees up
@@ -289,15 +298,21 @@ class Scheduler:
         in_time = [w for w in waited_s if w <= target_s]
         return (0.5 * (target_s - max(in_time)),) if in_time else ()
 
-    def _next_waiting(self, now_s: float) -> Seq:
+    def _next_waiting(self, now_s: float) -> Seq | None:
         """The waiting request to admit next: the front; with a TTFT target the first still
-        in time (admitted before, or waiting at most the target), the front where none is."""
+        in time (admitted before, or waiting at most the target), else the front in a lull
+        (no request admitted in time runs), else None."""
+        if self.config.ttft_target_s is None:
+            return self.waiting[0]
+        for seq in self.waiting:
+            if seq.admitted or not self._is_late(seq, now_s):
+                return seq
+        return None if any(not seq.late for seq in self.running) else self.waiting[0]
+
+    def _is_late(self, seq: Seq, now_s: float) -> bool:
+        """Whether ``seq`` has waited past the TTFT target (none: never)."""
         target_s = self.config.ttft_target_s
-        if target_s is not None:
-            for seq in self.waiting:
-                if seq.admitted or now_s - seq.arrival_s <= target_s:
-                    return seq
-        return self.waiting[0]
+        return target_s is not None and now_s - seq.arrival_s > target_s
 
     # -- pace --------------------------------------------------------------------
     def _pace_last_step(self) -> None:

@@ -50,6 +50,7 @@ from simulator.load_replay import has_serving_grid, serve_loads
 from simulator.oracle import Oracle
 from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
 from simulator.schedule import Arrival, ScheduleError, schedule
+from simulator.serve_validate import check_targets
 from simulator.session import Session, SessionError, trace_policy
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace, under_ngram
@@ -337,9 +338,7 @@ def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | 
 
 
 def run(args: argparse.Namespace) -> int:
-    for option in ("itl_target", "ttft_target"):
-        if getattr(args, option) is not None and getattr(args, option) < 0:
-            raise ValueError(f"--{option.replace('_', '-')} must be 0 (none) or above, got {getattr(args, option):g}")
+    check_targets(args.itl_target, args.ttft_target)
     trace = load_trace(args.trace)
     settings = replay_settings(args, trace)
     if has_serving_grid(trace):

@@ -261,6 +261,14 @@ class ServingReplay:
         return run_load(replay, self.requests, self.max_new, costs, arrivals_s=arrivals, step_starts_s=step_starts_s)
 
 
+def check_targets(itl_target: float | None, ttft_target: float | None) -> None:
+    """``--itl-target`` and ``--ttft-target`` as ``ServingReplay`` takes them: None (the
+    recording's), 0 (none) or above; else a one-line ValueError."""
+    for option, value in (("--itl-target", itl_target), ("--ttft-target", ttft_target)):
+        if value is not None and value < 0:
+            raise ValueError(f"{option} must be 0 (none) or above, got {value:g}")
+
+
 def validate_serving(trace: Trace, again: Trace | None = None,
                      steps: dict[tuple[str, str], list[StepRow]] | None = None) -> list[LoadFidelity]:
     """Every recorded (load, policy) replayed; ``again``: another recording of the same

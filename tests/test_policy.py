@@ -148,17 +148,20 @@ def test_tuning_under_load_scores_a_rate_sweep(trace, serving, tmp_path, capsys)
     sweep, replayed as simulator.replay replays it; the export reports the sweep."""
     from policy.load_sweep import LoadSweep, SweepConfig
     from profiler.serve_summary import parse_slo
-    sweep = LoadSweep(serving, SweepConfig((20.0, 40.0), parse_slo("ttft=0.5"), num_requests=12))
+    sweep = LoadSweep(serving, SweepConfig((20.0, 40.0), parse_slo("ttft=0.5"), num_requests=12, ttft_target_s=0.5))
     assert replay_main(["--trace", str(serving), "--policy", "rakv", "--arrival-rate", "20,40", "--slo", "ttft=0.5",
-                        "--requests", "12", "--seed", "0", "--json"]) == 0
+                        "--requests", "12", "--seed", "0", "--ttft-target", "0.5", "--json"]) == 0
     replayed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert sweep.goodput_per_s("rakv") == pytest.approx(sum(r["goodput_per_s"] for r in replayed))
     out = tmp_path / "p"
     assert train_main(["--trace", str(trace), "--out", str(out), "--trials", "2", "--serve-trace", str(serving),
-                       "--arrival-rate", "20,40", "--slo", "ttft=0.5", "--serve-requests", "12"]) == 0
-    assert "tiny-serve at 20, 40 req/s (ttft<=0.5s; tuned on it): goodput summed, learned" in capsys.readouterr().err
+                       "--arrival-rate", "20,40", "--slo", "ttft=0.5", "--serve-requests", "12",
+                       "--ttft-target", "0.5"]) == 0
+    assert ("tiny-serve at 20, 40 req/s (ttft<=0.5s; TTFT target 0.5 s; tuned on it): goodput summed, learned"
+            in capsys.readouterr().err)
     (under_load,) = json.loads((out / "policy.json").read_text())["metrics"]["under_load"]
     assert under_load["trace"] == "tiny-serve" and under_load["num_requests"] == 12
+    assert under_load["ttft_target_s"] == 0.5 and under_load["itl_target_s"] is None
     assert under_load["goodput_per_s"]["rakv"] == pytest.approx(sweep.goodput_per_s("rakv"))
     assert set(under_load["goodput_per_s"]) == {"learned", "rakv", "kv-only"}
 
@@ -170,6 +173,8 @@ def test_tuning_under_load_needs_its_rates_and_slo(trace, serving, tmp_path, cap
                                                "goodput scores a trial")
     assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=x"]) == 2
     assert capsys.readouterr().err.strip() == "error: --slo: ttft: 'x' is not a number of seconds"
+    assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=1", "--ttft-target", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --ttft-target must be 0 (none) or above, got -1"
     assert train_main(argv + ["--arrival-rate", "1", "--slo", "e2e=1e-9"]) == 2
     assert capsys.readouterr().err.strip().endswith("rakv meets the SLO (e2e<=1e-09s) at none of the rates, so the "
                                                     "sweep cannot score a trial: give lower --arrival-rate or a looser "

@@ -1,6 +1,7 @@
 """The TTFT target (``rakv.scheduler``, ``BatchConfig.ttft_target_s``): a waiting request
-past it yields its turn to those still in time, first come first served within each; a
-preempted request keeps its place at the front; a request waiting in time bounds a
+past it yields its turn to those still in time, first come first served within each, and
+is admitted only in a lull (none in time waits or runs); a preempted request keeps its
+place at the front; a request waiting in time bounds a
 round's step to half its time left; the live engine admits by its arrivals
 and keeps every output its own greedy one; a replay under a target serves every request
 once and a target nobody reaches changes nothing; a recording under a target replays
@@ -23,15 +24,21 @@ from simulator.step_costs import fit_step_costs
 from simulator.trace import load_trace
 
 
-def _admitted(target_s: float | None, waiting: list[Seq], now_s: float) -> list[int]:
-    """The request ids a step admits, in order, from ``waiting`` (seats and rows for all)."""
+def _admitted(target_s: float | None, waiting: list[Seq], now_s: float, running: list[Seq] = ()) -> list[int]:
+    """The request ids a step admits, in order, from ``waiting`` beside ``running`` (seats
+    and rows for all); each admitted request is marked late or not."""
     scheduler = Scheduler(BatchConfig(max_num_seqs=8, max_num_batched_tokens=256, ttft_target_s=target_s),
                           lambda seq: None, lambda seq: None, lambda: 0, lambda: False)
+    scheduler.running.extend(running)
     for seq in waiting:
         scheduler.add(seq)
+    first_admissions = [seq for seq in waiting if not seq.admitted]
     works = scheduler.schedule(now_s)
-    assert not scheduler.waiting and all(w.kind == PREFILL for w in works)
-    return [w.seq.request_id for w in works]
+    admitted = [w for w in works if w.seq not in running]
+    assert all(w.kind == PREFILL for w in admitted)
+    assert all(w.seq.late == (target_s is not None and now_s - w.seq.arrival_s > target_s)
+               for w in admitted if w.seq in first_admissions)
+    return [w.seq.request_id for w in admitted]
 
 
 def _seqs(arrivals_s: list[float]) -> list[Seq]:
@@ -41,9 +48,19 @@ def _seqs(arrivals_s: list[float]) -> list[Seq]:
 def test_a_request_past_the_target_yields_to_those_still_in_time():
     arrivals_s = [0.0, 1.0, 4.0, 4.5, 2.5]  # at 5 s, requests 0 and 1 have waited past 3 s
     assert _admitted(None, _seqs(arrivals_s), 5.0) == [0, 1, 2, 3, 4]  # no target: first come first served
-    assert _admitted(3.0, _seqs(arrivals_s), 5.0) == [2, 3, 4, 0, 1]  # in time first, then the late, each FCFS
+    assert _admitted(3.0, _seqs(arrivals_s), 5.0) == [2, 3, 4]  # in time, FCFS; the late wait beside them
     assert _admitted(3.0, _seqs(arrivals_s), 1.0) == [0, 1, 2, 3, 4]  # none late yet
-    assert _admitted(3.0, _seqs(arrivals_s), 99.0) == [0, 1, 2, 3, 4]  # all late: FCFS
+    assert _admitted(3.0, _seqs(arrivals_s), 99.0) == [0, 1, 2, 3, 4]  # all late, a lull: FCFS
+
+
+def test_a_late_request_runs_only_in_a_lull():
+    """A late request is admitted where no request admitted in time runs: beside late ones,
+    or none."""
+    in_time, late = _seqs([0.0, 0.0])
+    in_time.admitted, late.admitted, late.late = True, True, True
+    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=[in_time]) == []  # waits beside one in time
+    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=[late]) == [0, 1]  # beside late ones: a lull
+    assert _admitted(3.0, _seqs([0.0, 4.0]), 5.0, running=[in_time]) == [1]  # one in time still comes in
 
 
 def test_a_preempted_request_keeps_its_place_at_the_front():
