@@ -25,7 +25,8 @@
 # rates past that machine's knee under kv-only, joint-suffix-k8, rakv and learned; -knee-again: the same again;
 # qwen-coder-humaneval-serve-amx-knee: code the same way, 100 requests drawn from the 16 prompts at two rates
 # near that machine's knee, a prompt kept in the store as its prefill ends; -again: the same again;
-# -ttft: the same under a TTFT target of 3 s (late requests yield, and those in time bound the rounds);
+# -ttft: the same under a TTFT target of 3 s (late requests yield and run only in lulls, and those in
+# time bound the rounds);
 # qwen-coder-sharegpt-serve-amx-knee: ShareGPT the same way, at 0.8 and 1.1 req/s; -past-knee: at 1.5
 # and 1.8 req/s, past that machine's knee, draft catch-ups held out of steps that prefill; -past-knee-again:
 # the same again; -past-knee-two-learned: the same with the learned policy that leaves the store drafter
