@@ -14,11 +14,11 @@ Invariants:
   that order (their rows are what keeps tokens flowing), then prefill chunks in that
   order, then admits waiting requests from the front of ``waiting`` (with a TTFT target,
   those in time first, and late ones only in a lull: "Late requests yield") while rows,
-  seats and memory last. A preempted
-  request goes back to the front of ``waiting``. A round's planner is shown the rest of
-  the step (``rakv.step_load.StepLoad``): the rounds planned before it, one row for each
-  decoding request after it, and whether the step prefills (a running request's chunk,
-  or a waiting request with a seat free).
+  seats and memory last. A preempted request goes back to the front of ``waiting``. A
+  round's planner is shown the rest of the step (``rakv.step_load.StepLoad``): the
+  rounds planned before it, one row for each decoding request after it, and whether the
+  step prefills (a running request's chunk, or a waiting request it may admit with a
+  seat free).
 - Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
   clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
   a request's rounds, never its tokens.
@@ -50,11 +50,12 @@ Invariants:
   admitted past the target), so that it takes no seat or row a request in time could
   use; under sustained overload it waits until the load ebbs. Past the knee, first come
   first served makes every request late (each waits behind all that came before); this
-  keeps serving those that can still be in time. Those in time also bound a round's step as a pace does (``StepLoad.pace_bounds_s``): to
-  half the least time any request still waiting in time for its first token (not
-  admitted, or prefilling) has left, so that this step and one more like it, its
-  prefill's, end within the target. A first token comes at the end of the step that
-  admits the request, and one arriving meanwhile first waits out the step under way.
+  keeps serving those that can still be in time. Those in time also bound a round's
+  step as a pace does (``StepLoad.pace_bounds_s``): to half the least time any request
+  still waiting in time for its first token (not admitted, or prefilling) has left, so
+  that this step and one more like it, its prefill's, end within the target. A first
+  token comes at the end of the step that admits the request, and one arriving
+  meanwhile first waits out the step under way.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ from rakv.step_load import DECODE, PREFILL, VERIFY, StepLoad, deepen
 
 TTFT_TARGET_HELP = ("the time to first token to serve requests within, in seconds (your TTFT bound): a request "
                     "that has waited longer yields its turn to those still in time (first come first served within "
-                    "each) and runs only when none of them runs, and no round makes a step longer than half the least time a request in time has left")
+                    "each) and runs only when none of them runs, and no round makes a step longer than half the "
+                    "least time a request in time has left")
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 
