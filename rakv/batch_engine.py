@@ -75,6 +75,8 @@ class EngineStats:
     prompt_tokens: int
     rounds: int  # speculation rounds of finished requests
     accepted_tokens: int
+    num_waiting_late: int  # waiting past the TTFT target (``BatchConfig.ttft_target_s``), not yet admitted
+    num_late: int  # requests admitted past the TTFT target
 
 
 @dataclass(eq=False)
@@ -166,7 +168,8 @@ class BatchEngine(Engine):
         f = self._finished
         return EngineStats(len(running), len(self.scheduler.waiting), kv, self.store.total_bytes,
                            self.scheduler.num_preemptions, f["count"], f["hit"], f["prompt"], f["rounds"],
-                           f["accepted"])
+                           f["accepted"], self.scheduler.num_waiting_late(time.perf_counter()),
+                           self.scheduler.num_late)
 
     # -- a step --------------------------------------------------------------------
     def step(self, now_s: float | None = None) -> list[TokenEvent]:

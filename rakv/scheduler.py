@@ -187,6 +187,7 @@ class Scheduler:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
     num_preemptions: int = 0
+    num_late: int = 0  # requests admitted past the TTFT target
     # the step being planned: each running request's reservation in bytes (its cached
     # positions and its planned rows), and their sum; kept as works are planned, requests
     # admitted and preempted, so that a step's memory checks cost O(1) each
@@ -266,6 +267,7 @@ class Scheduler:
                 self.admit(seq)
                 seq.admitted = True
                 seq.late = self._is_late(seq, now_s)
+                self.num_late += seq.late
             work = self._chunk(seq, budget) if seq.prefilling else None
             if not self._fits(seq, work.rows if work is not None else 1):
                 break  # FCFS: nothing overtakes it; it runs when memory frees up
@@ -310,6 +312,10 @@ class Scheduler:
             if seq.admitted or not self._is_late(seq, now_s):
                 return seq
         return None if any(not seq.late for seq in self.running) else self.waiting[0]
+
+    def num_waiting_late(self, now_s: float) -> int:
+        """Requests waiting past the TTFT target, not yet admitted: those a lull will serve."""
+        return sum(not seq.admitted and self._is_late(seq, now_s) for seq in self.waiting)
 
     def _is_late(self, seq: Seq, now_s: float) -> bool:
         """Whether ``seq`` has waited past the TTFT target (none: never)."""

@@ -112,6 +112,10 @@ def render(snapshot: MetricsSnapshot) -> str:
     if s is not None:
         metric("num_requests_running", "gauge", "Requests in the running batch.", s.num_running)
         metric("num_requests_waiting", "gauge", "Requests waiting to be admitted.", s.num_waiting)
+        metric("num_requests_waiting_late", "gauge",
+               "Requests waiting past the TTFT target (--ttft-target): they run when none in time does.",
+               s.num_waiting_late)
+        metric("requests_late_total", "counter", "Requests admitted past the TTFT target.", s.num_late)
         metric("kv_cache_bytes", "gauge", "KV bytes the running requests' caches hold.", s.kv_bytes)
         metric("prefix_store_bytes", "gauge", "Bytes held by the prefix store.", s.store_bytes)
         metric("num_preemptions_total", "counter", "Requests preempted (their KV recomputed later).",

@@ -92,7 +92,7 @@ class FakeEngine:
         return events
 
     def stats(self):
-        return EngineStats(len(self.running), 0, 1024, 2048, 0, 3, 5, 20, 4, 6)
+        return EngineStats(len(self.running), 0, 1024, 2048, 0, 3, 5, 20, 4, 6, 0, 2)
 
 
 def ascii_steps(text: str, per_step: int = 1) -> list[tuple[int, ...]]:
@@ -268,6 +268,7 @@ def test_metrics_histograms_and_engine_gauges():
     assert metric(text, "rakv_kv_cache_bytes") == 1024 and metric(text, "rakv_prefix_store_bytes") == 2048
     assert metric(text, "rakv_prefix_hit_rate") == 0.25 and metric(text, "rakv_spec_accepted_tokens_per_round") == 1.5
     assert metric(text, "rakv_num_requests_running") == 0 and metric(text, "rakv_num_requests_waiting") == 0
+    assert metric(text, "rakv_num_requests_waiting_late") == 0 and metric(text, "rakv_requests_late_total") == 2
 
 
 def test_an_engine_failure_is_a_500_and_the_server_goes_on(caplog):

@@ -115,6 +115,7 @@ def test_the_engine_admits_by_arrival_and_keeps_each_output_greedy(tiny_pair):
     now_s = time.perf_counter()
     late = engine.submit(prompts[0], 8, arrival_s=now_s - 10.0)
     in_time = engine.submit(prompts[1], 8, arrival_s=now_s)
+    assert engine.stats().num_waiting_late == 1 and engine.stats().num_late == 0
     first, outputs = [], {}
     while engine.has_work():
         for event in engine.step(now_s):
@@ -124,6 +125,7 @@ def test_the_engine_admits_by_arrival_and_keeps_each_output_greedy(tiny_pair):
                 outputs[event.request_id] = event.result.output_ids
     assert first == [in_time, late]
     assert [outputs[late], outputs[in_time]] == want
+    assert engine.stats().num_waiting_late == 0 and engine.stats().num_late == 1
 
 
 @pytest.fixture(scope="module")
