@@ -386,12 +386,12 @@ def run(args: argparse.Namespace) -> int:
                   f"{share(e['headroom_captured'])} (causal: {share(e['causal_headroom_captured'])})", file=sys.stderr)
         for e in report["under_load"]:
             goodput = e["goodput_per_s"]
-            targets = "".join(f"; {name} target {e[key]:g} s" for name, key in (("ITL", "itl_target_s"),
-                                                                                   ("TTFT", "ttft_target_s")) if e[key])
-            print(f"{e['trace']} at {', '.join(f'{r:g}' for r in e['rates_per_s'])} req/s ({e['slo']}{targets}; "
-                  f"tuned on it): "
-                  f"goodput summed, learned {goodput['learned']:.3f} req/s, rakv {goodput['rakv']:.3f}, kv-only "
-                  f"{goodput['kv-only']:.3f}", file=sys.stderr)
+            rates = ", ".join(f"{r:g}" for r in e["rates_per_s"])
+            targets = "".join(f"; {name} target {e[key]:g} s"
+                              for name, key in (("ITL", "itl_target_s"), ("TTFT", "ttft_target_s")) if e[key])
+            print(f"{e['trace']} at {rates} req/s ({e['slo']}{targets}; tuned on it): goodput summed, learned "
+                  f"{goodput['learned']:.3f} req/s, rakv {goodput['rakv']:.3f}, kv-only {goodput['kv-only']:.3f}",
+                  file=sys.stderr)
         print(f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
 
