@@ -1,11 +1,11 @@
 """The TTFT target (``rakv.scheduler``, ``BatchConfig.ttft_target_s``): a waiting request
 past it yields its turn to those still in time, first come first served within each, and
 is admitted only in a lull (none in time waits or runs); a preempted request keeps its
-place at the front; a request waiting in time bounds a
-round's step to half its time left; the live engine admits by its arrivals
-and keeps every output its own greedy one; a replay under a target serves every request
-once and a target nobody reaches changes nothing; a recording under a target replays
-step for step; bad values are one-line errors."""
+place at the front; a request waiting in time bounds a round's step to half its time
+left; the live engine admits by its arrivals and keeps every output its own greedy one;
+a replay under a target serves every request once and a target nobody reaches changes
+nothing; a recording under a target replays step for step; bad values are one-line
+errors."""
 from __future__ import annotations
 
 import time
@@ -24,7 +24,8 @@ from simulator.step_costs import fit_step_costs
 from simulator.trace import load_trace
 
 
-def _admitted(target_s: float | None, waiting: list[Seq], now_s: float, running: list[Seq] = ()) -> list[int]:
+def _admitted(target_s: float | None, waiting: list[Seq], now_s: float,
+              running: tuple[Seq, ...] = ()) -> list[int]:
     """The request ids a step admits, in order, from ``waiting`` beside ``running`` (seats
     and rows for all); each admitted request is marked late or not."""
     scheduler = Scheduler(BatchConfig(max_num_seqs=8, max_num_batched_tokens=256, ttft_target_s=target_s),
@@ -58,9 +59,9 @@ def test_a_late_request_runs_only_in_a_lull():
     or none."""
     in_time, late = _seqs([0.0, 0.0])
     in_time.admitted, late.admitted, late.late = True, True, True
-    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=[in_time]) == []  # waits beside one in time
-    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=[late]) == [0, 1]  # beside late ones: a lull
-    assert _admitted(3.0, _seqs([0.0, 4.0]), 5.0, running=[in_time]) == [1]  # one in time still comes in
+    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=(in_time,)) == []  # waits beside one in time
+    assert _admitted(3.0, _seqs([0.0, 1.0]), 5.0, running=(late,)) == [0, 1]  # beside late ones: a lull
+    assert _admitted(3.0, _seqs([0.0, 4.0]), 5.0, running=(in_time,)) == [1]  # one in time still comes in
 
 
 def test_a_preempted_request_keeps_its_place_at_the_front():
