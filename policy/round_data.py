@@ -10,12 +10,13 @@ planner visits: the second pass of training). The label is exact, from the run l
 m_t, capped where a round could see no further (the planner's max_k; a model-free
 drafter's proposal length).
 
-Only the drafters in ``LEARNED`` get rows. The store drafter's acceptance is what the store
-holds for the workload being served: how often its requests repeat earlier ones, which
-no recorded trace shows (none repeats a request; walking one twice taught the heads a
-single repeat rate, and they drafted shorter store rounds than ``rakv`` wherever requests
-repeat more). The policy's running estimate by signal measures it as it serves, so the
-learned planner plans that drafter's rounds as ``rakv`` does (``rakv.learned``).
+Only the drafters in ``rakv.learned_rounds.LEARNED`` get rows (the planner logs no
+other). The store drafter's acceptance is what the store holds for the workload being
+served: how often its requests repeat earlier ones, which no recorded trace shows (none
+repeats a request; walking one twice taught the heads a single repeat rate, and they
+drafted shorter store rounds than ``rakv`` wherever requests repeat more). The policy's
+running estimate by signal measures it as it serves, so the learned planner plans that
+drafter's rounds as ``rakv`` does (``rakv.learned``).
 
 ``token_prior`` is made from the labels: a first pass logs none, ``token_prior`` makes the
 table from the training rows, and ``DrafterRows.with_token_prior`` fills the column in.
@@ -37,14 +38,13 @@ import numpy as np
 
 from rakv.controller import ControllerConfig, RequestOutcome
 from rakv.cost_model import Action, RequestFeatures
-from rakv.drafters import DRAFT_MODEL, NGRAM
+from rakv.drafters import DRAFT_MODEL
 from rakv.learned import LearnedPolicy, PolicyFile
 from rakv.learned_rounds import ROUND_FEATURES, LearnedRounds, RoundModel, TokenPrior
 from rakv.settings import DecisionInputs
 from simulator.session import Session, replayed_lengths
 from simulator.trace import Trace
 
-LEARNED = (DRAFT_MODEL, NGRAM)  # the drafters with heads (see the module docstring)
 SPLITS = ("train", "validation", "test")
 SPLIT_SHARES = (0.6, 0.2, 0.2)
 
@@ -128,7 +128,7 @@ class ReadyingAll:
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
             model: RoundModel | None = None) -> dict[str, DrafterRows]:
-    """Per drafter of ``LEARNED``, the decision points of every request of ``trace`` (see
+    """Per drafter of ``rakv.learned_rounds.LEARNED``, the decision points of every request of ``trace`` (see
     the module docstring)."""
     policy = ReadyingAll(inputs, controller, draft_prior, model)
     session = Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
@@ -139,8 +139,6 @@ def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, 
         lengths_of = replayed_lengths(request, replayed)
         family, n = request.group_id, len(request.prompt_ids)
         for t, drafter, row in log:
-            if drafter not in LEARNED:
-                continue
             cap = planner.longest_round(drafter, t)
             found.setdefault(drafter, []).append((row, min(lengths_of[drafter].runs[t], cap), cap, family,
                                                   int(request.token_ids[n + t - 1])))

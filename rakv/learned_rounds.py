@@ -31,9 +31,9 @@ All are functions of the tokens, the run lengths, the signals and the probabilit
 trace stores (up to each round's first wrong token, as the engine computed them), so the
 learned planner's rounds replay exactly (the store drafter's run lengths and signals are
 not in a trace: a replay looks them up over its store, as the engine does). The EWMA part
-also plans the drafters without a model (the store drafter, ``policy.round_data.LEARNED``):
-``AdaptiveRounds``' estimate prices their rounds, started from the policy's running
-estimate where ``LearnedPolicy`` carries one.
+also plans the drafters without a model (the store drafter: not in ``LEARNED``, see
+``policy.round_data``): ``AdaptiveRounds``' estimate prices their rounds, started from the
+policy's running estimate where ``LearnedPolicy`` carries one.
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ ROUND_FEATURES = ("signal", "proposed", "extent", "position", "tokens_left", "es
                   "last_accepted", "last_full", "since_last", "recent_1", "recent_2", "recent_3", "prompt_repeat",
                   "draft_prob", "confidence", "token_prior")
 HEADS = ("first", "further")  # P(m >= 1); P(m >= j + 1 | m >= j)
+LEARNED = (DRAFT_MODEL, NGRAM)  # the drafters the trainer fits heads for, and the planner logs
 NONE = -1.0  # a feature with nothing to report yet
 
 
@@ -181,7 +182,8 @@ class LearnedRounds(AdaptiveRounds):
         self._t = t
         if self.log is not None:
             for drafter in self.drafters:
-                if self.longest_round(drafter, t):  # a model-free drafter with no proposal has no decision
+                # a model-free drafter with no proposal has no decision
+                if drafter in LEARNED and self.longest_round(drafter, t):
                     self.log.append((t, drafter, self.features(drafter, signals[drafter], t)))
         return super().plan(signals, t, load)  # the skeleton's; its rounds priced by ``_rounds`` below
 
