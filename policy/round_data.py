@@ -128,8 +128,8 @@ class ReadyingAll:
 
 def collect(trace: Trace, inputs: DecisionInputs, controller: ControllerConfig, draft_prior: float,
             model: RoundModel | None = None) -> dict[str, DrafterRows]:
-    """Per drafter of ``rakv.learned_rounds.LEARNED``, the decision points of every request of ``trace`` (see
-    the module docstring)."""
+    """Per drafter of ``rakv.learned_rounds.LEARNED``, the decision points of every
+    request of ``trace`` (see the module docstring)."""
     policy = ReadyingAll(inputs, controller, draft_prior, model)
     session = Session(policy, inputs, trace.target_namespace, trace.draft_namespace)
     found: dict[str, list] = {}

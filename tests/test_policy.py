@@ -316,9 +316,10 @@ def test_learned_planner_drafts_from_the_store_and_its_rounds_replay_exactly(tra
 
 
 def test_the_store_drafters_rounds_start_from_the_policys_running_estimate(trained, tiny_pair):
-    """A drafter without heads (the store drafter: not in ``rakv.learned_rounds.LEARNED``) starts each
-    request's rounds from the policy's running estimate by signal, carried across requests
-    as ``rakv``'s; the drafters with heads start every request from the same priors."""
+    """A drafter without heads (the store drafter: not in ``rakv.learned_rounds.LEARNED``)
+    starts each request's rounds from the policy's running estimate by signal, carried
+    across requests as ``rakv``'s; the drafters with heads start every request from the
+    same priors."""
     policy = _Drafting(load_policy(trained), _fixed_prices(tiny_pair))
     prompt = tiny_pair.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
     results, planners = run_mix(tiny_pair, policy, [prompt, prompt, prompt], 24)
