@@ -297,10 +297,10 @@ class Scheduler:
         target_s = self.config.ttft_target_s
         if target_s is None:
             return ()
-        waited_s = [now_s - seq.arrival_s for seq in self.waiting if not seq.admitted]
-        waited_s += [now_s - seq.arrival_s for seq in self.running if seq.prefilling and seq.t == 0]
-        in_time = [w for w in waited_s if w <= target_s]
-        return (0.5 * (target_s - max(in_time)),) if in_time else ()
+        first = [seq for seq in self.waiting if not seq.admitted]
+        first += [seq for seq in self.running if seq.prefilling and seq.t == 0]
+        waited_s = [now_s - seq.arrival_s for seq in first if not self._is_late(seq, now_s)]
+        return (0.5 * (target_s - max(waited_s)),) if waited_s else ()
 
     def _next_waiting(self, now_s: float) -> Seq | None:
         """The waiting request to admit next: the front; with a TTFT target the first still
