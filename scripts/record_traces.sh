@@ -34,7 +34,7 @@
 # -past-knee's command again, each load probed for the machine's speed (schema 1.5); -probed-again:
 # the same again, eight more probed loads to set the probe against the loads' time errors; -grid-probed:
 # the same again with the serving grid's ops probed too, as its loads are; -ttft: the same under a TTFT
-# target of 6 s (late requests run only in lulls);
+# target of 6 s (late requests run only in lulls); -ttft-again: the same again;
 # qwen-coder-chat-serve-amx-knee-early: the chat knee's command again, prompts kept as their prefill ends),
 # and the op grid over batch shapes; a -serve-again trace is the
 # same recording made again right after, how well the machine repeats itself
@@ -90,6 +90,7 @@ TRACES=(
   "qwen-coder-sharegpt-serve-amx-past-knee-probed-again|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee-grid-probed|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee-ttft|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned --ttft-target 6"
+  "qwen-coder-sharegpt-serve-amx-past-knee-ttft-again|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned --ttft-target 6"
   "qwen-coder-sharegpt-serve-amx-past-knee-two-learned|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned,learned=traces/policy-copies/6413095db79446f7"
   "qwen-coder-chat-serve-paced|--pair qwen-coder --workload chat --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-concurrency 8 --serve-rate 0.6 --serve-policies kv-only,rakv,learned --itl-target 0.15"
   "qwen-coder-code-repeat|--pair qwen-coder --workload code-repeat --requests 24 --max-new-tokens 96 --grid calibration --runs-sample 24 --runs-max-new-tokens 96 --runs-policies ar,spec-k4,ngram-k4,rakv"
