@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.harness import fresh_engine, hf_generate, timed
 from profiler.prompt_texts import CHAT, PROSE, REVISE, chat_prompt
-from rakv.cli import add_precision_arguments
+from rakv.cli import add_precision_arguments, run_cli
 
 ENGINE_POLICIES = ("ar", "ngram-k4", "rakv")
 HF_LOOKUP_TOKENS = (None, 3, 10)
@@ -159,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", type=int, default=10, help="revision turns (default: 10)")
     p.add_argument("--prose", type=int, default=10, help="prose prompts (default: 10)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(run, p.parse_args(argv), (ValueError, OSError))
 
 
 if __name__ == "__main__":

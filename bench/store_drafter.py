@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from rakv.cli import add_precision_arguments
+from rakv.cli import add_precision_arguments, run_cli
 
 WITHOUT = "rakv-no-store"  # rakv with controller.store_drafter=false
 
@@ -118,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap per request (default: the workload's)")
     p.add_argument("--fixed", default="spec-k4,ngram-k4", help="fixed policies beside ar (default: spec-k4,ngram-k4)")
     p.add_argument("--json", type=Path, default=None, help="also write the tallies as JSON")
-    args = p.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_cli(run, p.parse_args(argv), (ValueError, OSError))
 
 
 if __name__ == "__main__":

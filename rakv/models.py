@@ -230,8 +230,12 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
         names = spec.split(",")
         if len(names) > 2 or not all(names):
             raise PairError(f"pair {spec!r} must be one of {', '.join(BUILTIN_PAIRS)} or TARGET[,DRAFT]")
-        target, tokenizer = _load_hf(names[0], torch_dtype)
-        draft = _load_hf(names[1], torch_dtype)[0] if len(names) == 2 else None
+        try:
+            target, tokenizer = _load_hf(names[0], torch_dtype)
+            draft = _load_hf(names[1], torch_dtype)[0] if len(names) == 2 else None
+        except PairError as exc:  # most often a pair's name mistyped: say what a pair may be
+            raise PairError(f"{exc} (a pair is one of {', '.join(BUILTIN_PAIRS)}, or TARGET[,DRAFT]: model "
+                            f"directories or ids already in the local Hugging Face cache)") from None
         sources = (names[0], names[1] if len(names) == 2 else None)
         files = [Path(n) for n in names]
     else:

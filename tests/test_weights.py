@@ -244,3 +244,11 @@ def test_smollm2_quantized_matches_hf_greedy_and_rounds_replay(quantized_smollm2
     for prompt, result in zip(prompts, results):
         assert list(result.output_ids) == hf_greedy(pair, prompt, 24)
     assert_rounds_replay(pair, prompts, results, planners, 24)
+
+
+def test_a_mistyped_pair_is_a_one_line_error_that_names_the_pairs(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(PairError, match=r"^cannot load .*no-such-model.* \(a pair is one of tiny, smollm2, "
+                                        r"qwen-coder, or TARGET\[,DRAFT\]") as raised:
+        load_pair(missing)
+    assert "\n" not in str(raised.value)
