@@ -36,6 +36,9 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   over open loops, the ceiling no policy can pass: every request within the SLO,
   each load's requests over its arrivals' span (a load's span runs from its first arrival
   to its last finish, so it is never shorter).
+- With an attainment goal (``--attainment``), each policy's capacity: the highest rate at
+  which it keeps that share of its requests within the SLO (``simulator.capacity``),
+  bisected by further replays between the sweep's rates.
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
 loads, the requests and the seed (every load starts from an empty store and a fresh
@@ -52,10 +55,11 @@ from typing import Iterable
 
 from profiler.arrivals import parse_loads
 from profiler.serve_record import Load, loads_of
-from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, slo_option
+from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, num_meeting_slo, slo_option
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
+from simulator.capacity import Capacity, capacity_lines, check_attainment, sweep_capacities
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_steps
@@ -245,13 +249,27 @@ def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loa
     the replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy),
     the machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
     ``serve_validate`` prices it; any other at the usual speed."""
-    def policy(name: str):  # a name, or a fresh policy for each load
-        return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
-
     def at(load: Load, name: str) -> StepCosts:
         return replace(costs, speed=(speeds or {}).get((load.label, name), 1.0))
-    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, policy(name), at(load, name)), slo)
+    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, fresh(serving, name), at(load, name)),
+                                           slo)
                             for load in loads for name in names])
+
+
+def fresh(serving: ServingReplay, name: str):
+    """A policy's name, or for ``foresight`` a fresh reference under the replay's
+    controller settings, as ``rakv``'s (one per load)."""
+    return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
+
+
+def capacities(serving: ServingReplay, costs: StepCosts, results: list[LoadResult], slo: Slo,
+               goal: float) -> list[Capacity]:
+    """Each policy's capacity at ``goal`` (``simulator.capacity``), bisected by replaying
+    it at rates between the sweep's."""
+    def attainment_at(name: str, rate_per_s: float) -> float:
+        run = serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs)
+        return num_meeting_slo(run.times(), slo) / len(run.requests)
+    return sweep_capacities(results, goal, attainment_at)
 
 
 def has_serving_grid(trace: Trace) -> bool:
@@ -310,6 +328,8 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
+    if args.attainment is not None:
+        check_attainment(args.attainment, slo, [load.rate_per_s for load in loads])
     serving = ServingReplay(trace, inputs, args.requests, args.seed, strict=args.strict,
                             recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
@@ -317,10 +337,11 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
-    results = replay_loads(serving, fit_serving_costs(trace, steps), names, loads, slo,
-                           load_speeds(steps) if recorded else {})
+    costs = fit_serving_costs(trace, steps)
+    results = replay_loads(serving, costs, names, loads, slo, load_speeds(steps) if recorded else {})
+    found = capacities(serving, costs, results, slo, args.attainment) if args.attainment is not None else []
     if args.json:
-        for r in results:
+        for r in results + found:
             print(json.dumps(asdict(r)))
     else:
         batch = serving.batch
@@ -328,6 +349,8 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
                                 f"{batch.max_num_batched_tokens}; ITL target {_seconds(batch.itl_target_s)}; "
                                 f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid"))
+        if found:
+            print("\n".join([""] + capacity_lines(found, FIXED, REFERENCES)))
     if args.plot is not None:
         from simulator.plots import write_load_plots
         for path in write_load_plots(args.plot, results, trace.path.name):

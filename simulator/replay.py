@@ -278,8 +278,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
                       help="bounds in seconds, any subset, for goodput: the requests meeting every bound per second "
                            "(itl: a request's mean inter-token latency); default: no goodput")
+    load.add_argument("--attainment", type=float, default=None, metavar="GOAL",
+                      help="with --slo and a sweep of --arrival-rate values: each policy's capacity, the highest "
+                           "Poisson rate at which it keeps at least GOAL (a share, e.g. 0.9: DistServe's goodput) of "
+                           "its requests within the SLO, bisected between the sweep's rates to 1 %%")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object per policy (under load: per load and policy) instead of a table")
+                   help="print one JSON object per policy (under load: per load and policy, then per policy its "
+                        "capacity with --attainment) instead of a table")
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
                    help="also write PNG figures into DIR (under load: latency_vs_load, speculation_vs_batch)")
     return p.parse_args(argv)
@@ -347,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
                                           ("--max-num-seqs", args.max_num_seqs),
                                           ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                           ("--itl-target", args.itl_target),
-                                          ("--ttft-target", args.ttft_target))
+                                          ("--ttft-target", args.ttft_target),
+                                          ("--attainment", args.attainment))
              if value is not None]
     rates = args.arrival_rate.split(",") if args.arrival_rate is not None else [None]
     if given or len(rates) > 1:
