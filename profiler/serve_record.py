@@ -40,6 +40,15 @@ class Load:
     def label(self) -> str:
         return f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate_per_s:g}"
 
+    @classmethod
+    def of_label(cls, label: str) -> "Load":
+        """The load a ``label`` names, ``c=N`` or ``rate=R`` (as a trace's rows and a
+        replay's results hold it)."""
+        kind, _, value = label.partition("=")
+        if kind not in ("c", "rate"):
+            raise ValueError(f"a load is c=N or rate=R, got {label!r}")
+        return cls(concurrency=int(value)) if kind == "c" else cls(rate_per_s=float(value))
+
 
 def loads_of(concurrencies: tuple[float, ...] = (), rates: tuple[float, ...] = ()) -> list[Load]:
     return [Load(concurrency=int(c)) for c in concurrencies] + [Load(rate_per_s=r) for r in rates]

@@ -28,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from profiler.serve_record import Load
+
 DEFAULT_REL_TOL = 0.01  # a bracket this narrow, relative to its lower end, ends the bisection
+BASELINES = ("ar", "kv-only")  # the fixed policies shown beside the best one
 
 
 @dataclass(frozen=True)
@@ -57,18 +60,12 @@ def check_attainment(goal: float, slo, rates_per_s: Sequence[float | None]) -> N
                          "capacities are bisected between (not --concurrency)")
 
 
-def rate_of(load: str) -> float | None:
-    """The rate of a ``rate=R`` load label; None for any other."""
-    kind, _, value = load.partition("=")
-    return float(value) if kind == "rate" else None
-
-
 def attainment_points(results: Iterable) -> dict[str, list[tuple[float, float]]]:
     """Per policy, (rate, attainment) of its open-loop results (``LoadResult``s under an
     SLO), by rate."""
     points: dict[str, list[tuple[float, float]]] = {}
     for r in results:
-        rate = rate_of(r.load)
+        rate = Load.of_label(r.load).rate_per_s
         if rate is not None and r.num_meeting_slo is not None and r.num_requests:
             points.setdefault(r.policy, []).append((rate, r.num_meeting_slo / r.num_requests))
     return {policy: sorted(found) for policy, found in points.items()}
@@ -137,7 +134,7 @@ def capacity_lines(capacities: list[Capacity], fixed: frozenset[str], references
     best = max(fixed_found, key=lambda c: c.rate_per_s)
     others = []
     for c in capacities:
-        if c.policy in fixed and c.policy not in ("kv-only", "ar") or c is best:
+        if c is best or c.policy in fixed and c.policy not in BASELINES:
             continue
         over = ""
         if c.rate_per_s is not None and not best.beyond_sweep:  # a lower bound's margin is one too

@@ -245,9 +245,7 @@ class ServingReplay:
     def replay(self, load: str, policy_name: str, costs: StepCosts | None,
                step_starts_s: Sequence[float] | None = None) -> LoadRun:
         """The ``load`` labelled ``c=N`` or ``rate=R`` (as ``profiler.serve_record.Load``)."""
-        kind, value = load.split("=")
-        return self.run(Load(concurrency=int(value)) if kind == "c" else Load(rate_per_s=float(value)),
-                        policy_name, costs, step_starts_s)
+        return self.run(Load.of_label(load), policy_name, costs, step_starts_s)
 
     def run(self, load: Load, policy: str | Policy, costs: StepCosts | None,
             step_starts_s: Sequence[float] | None = None) -> LoadRun:

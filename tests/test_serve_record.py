@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import profiler.serve_record
+from profiler.serve_record import Load
 from profiler import serve_summary
 from profiler.record import main, parse_args
 from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
@@ -193,3 +194,10 @@ def test_the_summary_of_a_trace_without_serving_is_one_line(tmp_path, capsys):
     assert serve_summary.main(["--trace", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_load_is_read_back_from_its_label():
+    for load in (Load(concurrency=4), Load(rate_per_s=0.7), Load(rate_per_s=1.25)):
+        assert Load.of_label(load.label) == load
+    with pytest.raises(ValueError, match="a load is c=N or rate=R, got 'qps=2'"):
+        Load.of_label("qps=2")
