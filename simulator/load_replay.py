@@ -353,6 +353,6 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
             print("\n".join([""] + capacity_lines(found, FIXED, REFERENCES)))
     if args.plot is not None:
         from simulator.plots import write_load_plots
-        for path in write_load_plots(args.plot, results, trace.path.name):
+        for path in write_load_plots(args.plot, results, trace.path.name, found):
             print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -83,8 +83,9 @@ def write_plots(directory: Path, results: dict, timing: Timing, trace: Trace) ->
     return paths
 
 
-def write_load_plots(directory: Path, results: list, title: str) -> list[Path]:
-    """``results``: ``simulator.load_replay.LoadResult``s."""
+def write_load_plots(directory: Path, results: list, title: str, capacities: list = ()) -> list[Path]:
+    """``results``: ``simulator.load_replay.LoadResult``s; ``capacities``:
+    ``simulator.capacity.Capacity``s, plotted on the attainment curves where given."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,7 +120,33 @@ def write_load_plots(directory: Path, results: list, title: str) -> list[Path]:
            ylim=(-0.02, 1.02), title=f"{title}: speculation against the batch size")
     ax.legend(fontsize=8)
     paths.append(_save(fig, directory / "speculation_vs_batch.png"))
+    if capacities:
+        paths.append(_attainment_plot(directory, results, title, capacities))
     return paths
+
+
+def _attainment_plot(directory: Path, results: list, title: str, capacities: list) -> Path:
+    """Each policy's share of requests within the SLO against the rate, the goal as a line
+    and each capacity marked on it."""
+    import matplotlib.pyplot as plt
+
+    from simulator.capacity import attainment_points
+
+    goal = capacities[0].goal
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {}
+    for i, (policy, points) in enumerate(attainment_points(results).items()):
+        colors[policy] = plt.cm.tab10(i % 10)
+        ax.plot([r for r, _ in points], [a for _, a in points], marker="o", color=colors[policy], label=policy)
+    for c in capacities:
+        if c.rate_per_s is not None:
+            ax.plot([c.rate_per_s], [goal], marker=">" if c.beyond_sweep else "x", markersize=9,
+                    color=colors[c.policy])
+    ax.axhline(goal, color="grey", linestyle=":")
+    ax.set(xlabel="requests/s (open loop)", ylabel="share of requests within the SLO", ylim=(-0.02, 1.02),
+           title=f"{title}: capacity at {100 * goal:g} % (x; >: at least)")
+    ax.legend(fontsize=7)
+    return _save(fig, directory / "attainment_vs_rate.png")
 
 
 def _save(fig, path: Path) -> Path:

@@ -286,7 +286,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="print one JSON object per policy (under load: per load and policy, then per policy its "
                         "capacity with --attainment) instead of a table")
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
-                   help="also write PNG figures into DIR (under load: latency_vs_load, speculation_vs_batch)")
+                   help="also write PNG figures into DIR (under load: latency_vs_load, speculation_vs_batch, and with "
+                        "--attainment attainment_vs_rate)")
     return p.parse_args(argv)
 
 

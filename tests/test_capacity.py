@@ -114,3 +114,9 @@ def test_attainment_needs_a_serving_trace(capsys):
     assert replay_main(["--trace", str(TRACES / "smollm2-chat"), "--attainment", "0.9"]) == 2
     err = capsys.readouterr().err
     assert "--attainment needs a serving trace" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_attainment_plot_is_written(tmp_path, capsys):
+    assert replay_main(["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "1,3", "--requests", "20",
+                        "--slo", "ttft=1,itl=0.2", "--attainment", "0.9", "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 10_000
