@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from profiler.schema import ServedRow, StepRow, TraceError, table_to_rows
+from profiler.serve_record import Load
 from profiler.trace_io import read_meta, read_table
 from rakv.cli import run_cli
 
@@ -177,9 +178,10 @@ class LoadSummary:
     goodput_per_s: float | None  # num_meeting_slo / the load's span
 
 
-def _load_order(label: str) -> tuple[str, float]:
-    kind, _, value = label.partition("=")
-    return kind, float(value)
+def _load_order(label: str) -> tuple[bool, float]:
+    """Closed loops before open ones, each by its number."""
+    load = Load.of_label(label)
+    return load.concurrency is None, load.rate_per_s if load.concurrency is None else load.concurrency
 
 
 def summarize_loads(served: list[ServedRow], steps: list[StepRow], slo: Slo | None = None) -> list[LoadSummary]:
