@@ -98,16 +98,6 @@ def speculation_by_batch(steps: Iterable) -> tuple[SpeculationAt, ...]:
     return tuple(SpeculationAt(b, n, s) for b, (n, s) in sorted(counts.items()))
 
 
-def pool_speculation(parts: Iterable[Iterable[SpeculationAt]]) -> tuple[SpeculationAt, ...]:
-    """Several loads' SpeculationAt added up per batch size."""
-    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for part in parts:
-        for at in part:
-            counts[at.batch_size][0] += at.num_rounds
-            counts[at.batch_size][1] += at.num_speculating
-    return tuple(SpeculationAt(b, n, s) for b, (n, s) in sorted(counts.items()))
-
-
 @dataclass(frozen=True)
 class LoadResult:
     """One policy at one load, simulated; times in seconds from the load's start."""

@@ -15,6 +15,7 @@ Under load (a serving trace, ``simulator.load_replay``), ``write_load_plots``:
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 from statistics import median
 
@@ -91,7 +92,6 @@ def write_load_plots(directory: Path, results: list, title: str, capacities: lis
     import matplotlib.pyplot as plt
 
     from profiler.serve_record import Load
-    from simulator.load_replay import pool_speculation
 
     directory.mkdir(parents=True, exist_ok=True)
     policies = list(dict.fromkeys(r.policy for r in results))
@@ -115,8 +115,8 @@ def write_load_plots(directory: Path, results: list, title: str, capacities: lis
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, policy in enumerate(policies):
-        pooled = pool_speculation(r.speculation for r in results if r.policy == policy)
-        ax.plot([at.batch_size for at in pooled], [at.share for at in pooled], marker="o",
+        pooled = pooled_shares(r.speculation for r in results if r.policy == policy)
+        ax.plot([b for b, _ in pooled], [share for _, share in pooled], marker="o",
                 color=plt.cm.tab10(i % 10), label=policy)
     ax.set(xlabel="running batch size (decode and verify works in the step)", ylabel="share of rounds with k > 0",
            ylim=(-0.02, 1.02), title=f"{title}: speculation against the batch size")
@@ -125,6 +125,17 @@ def write_load_plots(directory: Path, results: list, title: str, capacities: lis
     if capacities:
         paths.append(_attainment_plot(directory, results, title, capacities))
     return paths
+
+
+def pooled_shares(parts) -> list[tuple[int, float]]:
+    """(batch size, share of rounds speculating) over several loads' ``SpeculationAt``s
+    (``simulator.load_replay``), added up per batch size, smallest first."""
+    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for part in parts:
+        for at in part:
+            counts[at.batch_size][0] += at.num_rounds
+            counts[at.batch_size][1] += at.num_speculating
+    return [(b, s / n if n else 0.0) for b, (n, s) in sorted(counts.items())]
 
 
 def _attainment_plot(directory: Path, results: list, title: str, capacities: list) -> Path:
