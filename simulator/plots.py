@@ -11,7 +11,10 @@ Under load (a serving trace, ``simulator.load_replay``), ``write_load_plots``:
 - ``latency_vs_load.png``: p50 (solid) and p90 (dashed) TTFT and ITL against the load, one
   colour per policy; closed loops (concurrency) and open loops (request rate) side by side;
 - ``speculation_vs_batch.png``: the share of rounds that speculate against the running
-  batch size, one line per policy, its loads' rounds pooled.
+  batch size, one line per policy, its loads' rounds pooled;
+- ``attainment_vs_rate.png`` (with ``--attainment``): each policy's share of requests
+  within the SLO against the rate, the goal as a line, each capacity marked on it
+  (``simulator.capacity``).
 """
 from __future__ import annotations
 
