@@ -324,8 +324,10 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
                             recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
                             ttft_target_s=args.ttft_target)
-    # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran
-    recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed))
+    # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran;
+    # with --attainment every load at the usual speed, as the rates its capacities are bisected at
+    recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed,
+                                               args.attainment))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
     costs = fit_serving_costs(trace, steps)
     results = replay_loads(serving, costs, names, loads, slo, load_speeds(steps) if recorded else {})

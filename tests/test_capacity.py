@@ -120,3 +120,16 @@ def test_the_attainment_plot_is_written(tmp_path, capsys):
     assert replay_main(["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "1,3", "--requests", "20",
                         "--slo", "ttft=1,itl=0.2", "--attainment", "0.9", "--plot", str(tmp_path)]) == 0
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 10_000
+
+
+def test_with_attainment_the_recorded_loads_are_priced_as_its_bisection_prices_rates(capsys):
+    """Replaying a trace's own loads prices each at the machine's speed as it ran; with
+    --attainment they are priced at the usual speed, as the rates bisected between them."""
+    argv = ["--trace", str(TRACES / "qwen-coder-sharegpt-serve-amx-past-knee-ttft"), "--policy", "rakv",
+            "--slo", "ttft=6,itl=0.15", "--json"]
+
+    def rows(extra: list[str]) -> list[dict]:
+        assert replay_main(argv + extra) == 0
+        return [row for row in map(json.loads, capsys.readouterr().out.splitlines()) if "load" in row]
+    at_usual_speed = rows(["--arrival-rate", "1.5,1.8"])  # the recorded requests and arrivals
+    assert rows(["--attainment", "0.8"]) == at_usual_speed != rows([])
