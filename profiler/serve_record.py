@@ -40,6 +40,11 @@ class Load:
     def label(self) -> str:
         return f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate_per_s:g}"
 
+    @property
+    def value(self) -> float:
+        """Its number: the concurrency of a closed loop, the rate of an open one."""
+        return self.concurrency if self.concurrency is not None else self.rate_per_s
+
     @classmethod
     def of_label(cls, label: str) -> "Load":
         """The load a ``label`` names, ``c=N`` or ``rate=R`` (as a trace's rows and a

@@ -181,7 +181,7 @@ class LoadSummary:
 def _load_order(label: str) -> tuple[bool, float]:
     """Closed loops before open ones, each by its number."""
     load = Load.of_label(label)
-    return load.concurrency is None, load.rate_per_s if load.concurrency is None else load.concurrency
+    return load.concurrency is None, load.value
 
 
 def summarize_loads(served: list[ServedRow], steps: list[StepRow], slo: Slo | None = None) -> list[LoadSummary]:

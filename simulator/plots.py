@@ -102,9 +102,8 @@ def write_load_plots(directory: Path, results: list, title: str, capacities: lis
     fig, axes = plt.subplots(2, len(kinds), figsize=(6 * len(kinds), 7), squeeze=False)
     for column, kind in enumerate(kinds):
         for i, policy in enumerate(policies):
-            loads_of_kind = ((Load.of_label(r.load), r) for r in results
-                             if r.policy == policy and r.load.startswith(kind + "="))
-            mine = sorted(((load.concurrency if kind == "c" else load.rate_per_s), r) for load, r in loads_of_kind)
+            mine = sorted((Load.of_label(r.load).value, r) for r in results
+                          if r.policy == policy and r.load.startswith(kind + "="))
             loads = [x for x, _ in mine]
             for row, (metric, what) in enumerate((("ttft", "TTFT"), ("itl", "ITL"))):
                 ax = axes[row][column]

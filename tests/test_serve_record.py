@@ -197,7 +197,7 @@ def test_the_summary_of_a_trace_without_serving_is_one_line(tmp_path, capsys):
 
 
 def test_a_load_is_read_back_from_its_label():
-    for load in (Load(concurrency=4), Load(rate_per_s=0.7), Load(rate_per_s=1.25)):
-        assert Load.of_label(load.label) == load
+    for load, value in ((Load(concurrency=4), 4), (Load(rate_per_s=0.7), 0.7), (Load(rate_per_s=1.25), 1.25)):
+        assert Load.of_label(load.label) == load and load.value == value
     with pytest.raises(ValueError, match="a load is c=N or rate=R, got 'qps=2'"):
         Load.of_label("qps=2")
