@@ -68,7 +68,7 @@ class LoadSweep:
         for rate in self.config.rates_per_s:
             load = Load(rate_per_s=rate)
             run = self.serving.run(load, policy if isinstance(policy, str) else policy(), self.costs)
-            total += summarize_load(load.label, "", run, self.config.slo).goodput_per_s or 0.0
+            total += summarize_load(load.label, "", [run], self.config.slo).goodput_per_s or 0.0
         if isinstance(policy, str):
             self._named[policy] = total
         return total

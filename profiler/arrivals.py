@@ -51,6 +51,17 @@ def parse_loads(text: str, what: str, integer: bool) -> tuple[float, ...]:
     return tuple(values)
 
 
+def parse_seeds(text: str, what: str) -> tuple[int, ...]:
+    """``0,1,2`` as distinct integers; ValueError naming the option otherwise."""
+    try:
+        seeds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{what} takes integers, comma-separated (e.g. 0,1,2), got {text!r}") from None
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"{what} lists a seed twice: {text!r}")
+    return seeds
+
+
 def arrivals_s(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
     """Poisson arrival times: the first at 0, then exponential gaps of mean ``1 / rate``
     from the seed's arrival stream; ``inf``: all at 0. Every rate draws the same standard

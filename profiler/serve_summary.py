@@ -142,13 +142,19 @@ def goodput(times: list[tuple[float, float, float, int]], slo: Slo | None,
     return num, num / span_s if span_s > 0 else 0.0
 
 
+def span_of(times: list[tuple[float, float, float, int]]) -> float:
+    """Seconds from the first arrival to the last finish of (arrival, first token, finish,
+    output tokens) per request."""
+    return max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
+
+
 def load_latencies(times: list[tuple[float, float, float, int]]) -> LoadLatencies:
     """(arrival, first token, finish, output tokens) per request -> the load's
     LoadLatencies: of served rows as measured, and of a simulated load
     (``simulator.serve_sim``) alike. A load whose requests all made one token has an ITL
     of 0."""
     itl = [mean_itl_s(t, f, n) for _, t, f, n in times if n > 1]
-    span_s = max(f for _, _, f, _ in times) - min(a for a, _, _, _ in times)
+    span_s = span_of(times)
     num_output = sum(n for *_, n in times)
     return LoadLatencies(percentiles([t - a for a, t, _, _ in times]), percentiles(itl or [0.0]),
                          percentiles([f - a for a, _, f, _ in times]), span_s, num_output,

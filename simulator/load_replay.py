@@ -15,7 +15,10 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   recorded (load, policy) is priced at the machine's speed as it ran (its probe, schema
   1.5: ``step_costs.load_speeds``), as ``serve_validate`` prices it.
 - Requests: the trace's serving requests (``config.serve_requests``), or ``--requests N``
-  resampled with their prefix families (``simulator.schedule``).
+  resampled with their prefix families (``simulator.schedule``). Under several seeds
+  (``--seed 0,1,2``), each load is replayed under each seed's requests and arrivals, and
+  the runs pooled as if served one after another (``summarize_load``): the same workload
+  seen more times, where more requests of one seed would repeat its prompts more.
 - Per (load, policy) a ``LoadResult``: p50/p90/p99 of TTFT, ITL (each request's mean after
   its first token) and e2e, output tok/s over the load's span (first arrival to last
   finish), goodput under an SLO (vLLM's ``benchmark_serving --goodput``: the requests that
@@ -41,7 +44,7 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
   bisected by further replays between the sweep's rates.
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
-loads, the requests and the seed (every load starts from an empty store and a fresh
+loads, the requests and the seeds (every load starts from an empty store and a fresh
 policy, as the recorder's fresh engine does); at the recorded settings, requests, limits
 and seed, a load's replay is ``serve_validate``'s free-running one.
 """
@@ -51,11 +54,11 @@ import json
 import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from profiler.arrivals import parse_loads
 from profiler.serve_record import Load, loads_of
-from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, num_meeting_slo, slo_option
+from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, num_meeting_slo, slo_option, span_of
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
@@ -122,19 +125,26 @@ class LoadResult:
     arrivals_span_s: float = 0.0  # first arrival to last: at a rate, the same for every policy
 
 
-def summarize_load(load: str, policy: str, run: LoadRun, slo: Slo | None) -> LoadResult:
-    times = run.times()
+def summarize_load(load: str, policy: str, runs: Sequence[LoadRun], slo: Slo | None) -> LoadResult:
+    """One policy at one load; ``runs``: one per seed, pooled as if served one after
+    another: percentiles over all their requests, their spans (and their arrivals' spans)
+    summed, and the rates per second over the summed span."""
+    per_run = [run.times() for run in runs]
+    times = [t for found in per_run for t in found]
     stats = load_latencies(times)
-    speculation = speculation_by_batch(run.steps)
+    span_s = sum(map(span_of, per_run))
+    steps = [step for run in runs for step in run.steps]
+    speculation = speculation_by_batch(steps)
     num_rounds = sum(at.num_rounds for at in speculation)
-    good, good_per_s = goodput(times, slo, stats.span_s)
+    good, good_per_s = goodput(times, slo, span_s)
     return LoadResult(
-        load, policy, len(times), len(run.steps), stats.span_s, stats.num_output_tokens, stats.output_tok_per_s,
+        load, policy, len(times), len(steps), span_s, stats.num_output_tokens,
+        stats.num_output_tokens / span_s if span_s > 0 else 0.0,
         stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
         good_per_s,
         sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation,
-        sum(r.num_reused_tokens > 0 for r in run.requests),
-        arrivals_span_s=max(a for a, *_ in times) - min(a for a, *_ in times))
+        sum(r.num_reused_tokens > 0 for run in runs for r in run.requests),
+        arrivals_span_s=sum(max(a for a, *_ in found) - min(a for a, *_ in found) for found in per_run))
 
 
 def _score(result: LoadResult) -> tuple[float, ...]:
@@ -233,16 +243,17 @@ def summary_lines(summary: SweepSummary) -> list[str]:
     return lines
 
 
-def replay_loads(serving: ServingReplay, costs: StepCosts, names: list[str], loads: list[Load],
+def replay_loads(servings: Sequence[ServingReplay], costs: StepCosts, names: list[str], loads: list[Load],
                  slo: Slo | None = None, speeds: dict[tuple[str, str], float] | None = None) -> list[LoadResult]:
-    """Every named policy at every load, in that order (load by load); ``foresight`` under
-    the replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy),
-    the machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
+    """Every named policy at every load, in that order (load by load), under each of
+    ``servings`` (one per seed), pooled (``summarize_load``); ``foresight`` under the
+    replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy), the
+    machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
     ``serve_validate`` prices it; any other at the usual speed."""
     def at(load: Load, name: str) -> StepCosts:
         return replace(costs, speed=(speeds or {}).get((load.label, name), 1.0))
-    return mark_best_fixed([summarize_load(load.label, name, serving.run(load, fresh(serving, name), at(load, name)),
-                                           slo)
+    return mark_best_fixed([summarize_load(load.label, name, [serving.run(load, fresh(serving, name), at(load, name))
+                                                              for serving in servings], slo)
                             for load in loads for name in names])
 
 
@@ -252,13 +263,13 @@ def fresh(serving: ServingReplay, name: str):
     return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
 
 
-def capacities(serving: ServingReplay, costs: StepCosts, results: list[LoadResult], slo: Slo,
+def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: list[LoadResult], slo: Slo,
                goal: float) -> list[Capacity]:
     """Each policy's capacity at ``goal`` (``simulator.capacity``), bisected by replaying
-    it at rates between the sweep's."""
+    it at rates between the sweep's, under each of ``servings``, pooled."""
     def attainment_at(name: str, rate_per_s: float) -> float:
-        run = serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs)
-        return num_meeting_slo(run.times(), slo) / len(run.requests)
+        runs = [serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs) for serving in servings]
+        return sum(num_meeting_slo(run.times(), slo) for run in runs) / sum(len(run.requests) for run in runs)
     return sweep_capacities(results, goal, attainment_at)
 
 
@@ -309,6 +320,14 @@ def markdown(results: list[LoadResult], title: str) -> str:
     return "\n".join(lines)
 
 
+def _requests_line(servings: Sequence[ServingReplay]) -> str:
+    """How many requests each load served: under several seeds, each seed's, pooled."""
+    if len(servings) == 1:
+        return f"{len(servings[0].requests)} requests"
+    seeds = ", ".join(str(serving.seed) for serving in servings)
+    return f"{len(servings[0].requests)} requests under each of seeds {seeds}, pooled"
+
+
 def _seconds(target_s: float | None) -> str:
     return "none" if target_s is None else f"{target_s:g} s"
 
@@ -320,24 +339,25 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
     if args.attainment is not None:
         check_attainment(args.attainment, slo, [load.rate_per_s for load in loads])
-    serving = ServingReplay(trace, inputs, args.requests, args.seed, strict=args.strict,
-                            recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
-                            ttft_target_s=args.ttft_target)
+    servings = [ServingReplay(trace, inputs, args.requests, seed, strict=args.strict,
+                              recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
+                              ttft_target_s=args.ttft_target)
+                for seed in args.seed or (None,)]  # --seed: a comma list (``parse_seeds``), each load replayed under each
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran;
     # with --attainment every load at the usual speed, as the rates its capacities are bisected at
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed,
                                                args.attainment))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
     costs = fit_serving_costs(trace, steps)
-    results = replay_loads(serving, costs, names, loads, slo, load_speeds(steps) if recorded else {})
-    found = capacities(serving, costs, results, slo, args.attainment) if args.attainment is not None else []
+    results = replay_loads(servings, costs, names, loads, slo, load_speeds(steps) if recorded else {})
+    found = capacities(servings, costs, results, slo, args.attainment) if args.attainment is not None else []
     if args.json:
         for r in results + found:
             print(json.dumps(asdict(r)))
     else:
-        batch = serving.batch
-        print(markdown(results, f"{title}\n{len(serving.requests)} requests, up to {serving.max_new} new tokens "
+        serving, batch = servings[0], servings[0].batch
+        print(markdown(results, f"{title}\n{_requests_line(servings)}, up to {serving.max_new} new tokens "
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
                                 f"{batch.max_num_batched_tokens}; ITL target {_seconds(batch.itl_target_s)}; "
                                 f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid"))

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from profiler.arrivals import parse_seeds
 from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
@@ -262,8 +263,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the loads the trace recorded)")
     p.add_argument("--requests", type=int, default=None,
                    help="resample the trace's requests, with their prefix families, to this many (default: as recorded)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the resampling and the arrivals (default: 0; a serving trace's: its recording's)")
+    p.add_argument("--seed", default=None, metavar="S[,S...]",
+                   help="seed of the resampling and the arrivals (default: 0; a serving trace's: its recording's); "
+                        "under load a comma list replays each load under each seed and pools their requests "
+                        "(percentiles over all; goodput and tok/s over their spans summed)")
     load = p.add_argument_group("under load (a serving trace: profiler.record --grid serving --serve-concurrency)")
     load.add_argument("--concurrency", default=None, metavar="C[,C...]",
                       help="closed loops: keep C requests in flight, the next submitted when one finishes")
@@ -345,6 +348,7 @@ def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | 
 
 def run(args: argparse.Namespace) -> int:
     check_targets(args.itl_target, args.ttft_target)
+    args.seed = None if args.seed is None else parse_seeds(args.seed, "--seed")
     trace = load_trace(args.trace)
     settings = replay_settings(args, trace)
     if has_serving_grid(trace):
@@ -369,7 +373,9 @@ def run(args: argparse.Namespace) -> int:
         rate = None if rates[0] is None else float(rates[0])
     except ValueError:
         raise ValueError(f"--arrival-rate: {rates[0]!r} is not a number") from None
-    arrivals = schedule(trace, args.requests, rate, 0 if args.seed is None else args.seed)
+    if args.seed is not None and len(args.seed) > 1:
+        raise ValueError("several --seed values pool loads under load; at batch 1 give one")
+    arrivals = schedule(trace, args.requests, rate, 0 if args.seed is None else args.seed[0])
     results = replay(trace, timing, names, arrivals, settings, args.strict)
     summaries = [summary for summary, _ in results.values()]
     if args.json:

@@ -98,6 +98,17 @@ def test_replay_prints_each_policys_capacity(capsys):
         assert at["num_meeting_slo"] / at["num_requests"] >= 0.9
 
 
+def test_a_capacity_under_several_seeds_meets_the_goal_over_their_requests_pooled(capsys):
+    argv = ["--trace", str(SERVING), "--policy", "ar", "--requests", "20", "--slo", "ttft=1,itl=0.2",
+            "--seed", "3,4", "--json"]
+    assert replay_main(argv + ["--arrival-rate", "2,4", "--attainment", "0.9"]) == 0
+    (found,) = [row for row in map(json.loads, capsys.readouterr().out.splitlines()) if "goal" in row]
+    assert found["num_replays"] and 2 <= found["rate_per_s"] < 4
+    assert replay_main(argv + ["--arrival-rate", repr(found["rate_per_s"])]) == 0
+    (at,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert at["num_requests"] == 40 and at["num_meeting_slo"] >= 0.9 * 40
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arrival-rate", "1,2", "--slo", "ttft=1", "--attainment", "1.5"], "--attainment must be a share in (0, 1]"),
     (["--arrival-rate", "1,2", "--attainment", "0.9"], "--attainment needs an --slo"),

@@ -76,12 +76,12 @@ def test_goodput_counts_the_requests_meeting_every_bound_over_the_span():
         Composition((1,), (VERIFY,), (3,), (40,), ("draft",), (2,)),
         Composition((3,), (PREFILL,), (12,), (0,), ("",), (0,)))]
     run = LoadRun(steps, requests)
-    result = summarize_load("c=2", "ar", run, parse_slo("ttft=1,itl=1"))
+    result = summarize_load("c=2", "ar", [run], parse_slo("ttft=1,itl=1"))
     assert (result.num_meeting_slo, result.span_s) == (2, pytest.approx(6.2))
     assert result.goodput_per_s == pytest.approx(2 / 6.2) and result.slo == "ttft<=1s, itl<=1s"
-    assert summarize_load("c=2", "ar", run, parse_slo("ttft=1,itl=1,e2e=2")).num_meeting_slo == 1
-    assert summarize_load("c=2", "ar", run, None).goodput_per_s is None
-    assert summarize_load("c=2", "ar", run, Slo()).goodput_per_s is None  # nothing stated: no goodput
+    assert summarize_load("c=2", "ar", [run], parse_slo("ttft=1,itl=1,e2e=2")).num_meeting_slo == 1
+    assert summarize_load("c=2", "ar", [run], None).goodput_per_s is None
+    assert summarize_load("c=2", "ar", [run], Slo()).goodput_per_s is None  # nothing stated: no goodput
     assert result.output_tok_per_s == pytest.approx(12 / 6.2) and result.ttft.p50_s == pytest.approx(0.5)
     # rounds by the decode and verify works beside them; a prefill chunk is no round
     assert [(a.batch_size, a.num_rounds, a.num_speculating) for a in speculation_by_batch(steps)] == [(1, 1, 1),
@@ -89,8 +89,46 @@ def test_goodput_counts_the_requests_meeting_every_bound_over_the_span():
     assert result.share_speculating == pytest.approx(2 / 3)
 
 
+def test_runs_under_several_seeds_are_pooled_as_if_served_one_after_another():
+    """Percentiles over every request; counts summed; the rates per second over the runs'
+    spans summed (so are their arrivals' spans)."""
+    step = type("Step", (), {"composition": Composition((0,), (DECODE,), (1,), (10,), ("",), (0,))})()
+    first = LoadRun([step], [TimedRequest(0, 0.0, 0.5, 2.5, 5), TimedRequest(1, 1.0, 3.0, 4.0, 3)])  # span 4, arrivals 1
+    second = LoadRun([], [TimedRequest(0, 0.5, 0.7, 1.7, 3), TimedRequest(1, 2.5, 2.6, 3.5, 2)])  # span 3, arrivals 2
+    slo = parse_slo("ttft=1,itl=1")
+    pooled = summarize_load("rate=1", "ar", [first, second], slo)
+    assert (pooled.num_requests, pooled.num_steps, pooled.num_meeting_slo) == (4, 1, 3)
+    assert (pooled.span_s, pooled.arrivals_span_s) == (pytest.approx(7.0), pytest.approx(3.0))
+    assert pooled.goodput_per_s == pytest.approx(3 / 7) and pooled.output_tok_per_s == pytest.approx(13 / 7)
+    assert pooled.ttft.p50_s == pytest.approx(0.35)  # of 0.5, 2.0, 0.2 and 0.1
+    alone = [summarize_load("rate=1", "ar", [run], slo) for run in (first, second)]
+    assert pooled.num_meeting_slo == sum(r.num_meeting_slo for r in alone)
+    assert pooled.span_s == pytest.approx(sum(r.span_s for r in alone))
+
+
+def test_a_sweep_under_several_seeds_pools_each_seeds_replay(capsys):
+    """--seed 3,4 replays each load under seed 3's requests and arrivals and seed 4's, and
+    counts both: the same requests as each seed alone."""
+    argv = ["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "1,4", "--requests", "20",
+            "--slo", "ttft=1,itl=0.2", "--json"]
+    alone = []
+    for seed in ("3", "4"):
+        assert replay_main(argv + ["--seed", seed]) == 0
+        alone.append({(r["load"], r["policy"]): r for r in rows_of(capsys)})
+    assert replay_main(argv + ["--seed", "3,4"]) == 0
+    pooled = {(r["load"], r["policy"]): r for r in rows_of(capsys)}
+    assert set(pooled) == set(alone[0])
+    for key, row in pooled.items():
+        assert row["num_requests"] == 40
+        for count in ("num_meeting_slo", "num_steps", "num_output_tokens"):
+            assert row[count] == alone[0][key][count] + alone[1][key][count], (key, count)
+        assert row["span_s"] == pytest.approx(alone[0][key]["span_s"] + alone[1][key]["span_s"])
+    assert replay_main(argv[:-1] + ["--seed", "3,4"]) == 0
+    assert "20 requests under each of seeds 3, 4, pooled" in capsys.readouterr().out
+
+
 def test_the_best_fixed_policy_is_marked_per_load():
-    base = summarize_load("c=1", "ar", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)]), None)
+    base = summarize_load("c=1", "ar", [LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)])], None)
     results = [base, LoadResult(**{**base.__dict__, "policy": "spec-k4", "output_tok_per_s": 2.0}),
                LoadResult(**{**base.__dict__, "policy": "rakv", "output_tok_per_s": 9.0}),
                LoadResult(**{**base.__dict__, "load": "c=2"})]
@@ -102,7 +140,7 @@ def test_a_sweep_is_summed_against_the_best_single_fixed_policy():
     """Goodput summed over the loads: the best fixed policy over the whole sweep (not per
     load), each adaptive policy against it, the best of all at each load in hindsight, and
     the loads where an adaptive policy met the SLO less often than ``kv-only``."""
-    base = summarize_load("rate=1", "kv-only", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)]), parse_slo("ttft=5"))
+    base = summarize_load("rate=1", "kv-only", [LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3)])], parse_slo("ttft=5"))
     met = {("rate=1", "kv-only"): 10, ("rate=1", "joint-suffix-k8"): 9, ("rate=1", "joint-suffix-k1"): 12,
            ("rate=1", "rakv"): 9, ("rate=2", "kv-only"): 2, ("rate=2", "joint-suffix-k8"): 20,
            ("rate=2", "joint-suffix-k1"): 4, ("rate=2", "rakv"): 24}
@@ -123,8 +161,8 @@ def test_a_sweep_lists_its_references_apart_from_the_policies():
     """``foresight`` is summed but in neither the envelope nor the policies, and never
     below ``kv-only`` as a policy is; over open loops the ceiling is every request within
     the SLO over each load's arrivals' span, over closed loops there is none."""
-    base = summarize_load("rate=1", "kv-only", LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3),
-                                                            TimedRequest(1, 5.0, 6.0, 9.0, 3)]), parse_slo("ttft=5"))
+    base = summarize_load("rate=1", "kv-only", [LoadRun([], [TimedRequest(0, 0.0, 1.0, 2.0, 3),
+                                                             TimedRequest(1, 5.0, 6.0, 9.0, 3)])], parse_slo("ttft=5"))
     assert base.arrivals_span_s == 5.0 and base.num_requests == 2
     met = {("rate=1", "kv-only"): 2, ("rate=1", "rakv"): 1, ("rate=1", "foresight"): 2,
            ("rate=2", "kv-only"): 0, ("rate=2", "rakv"): 2, ("rate=2", "foresight"): 2}
@@ -166,6 +204,9 @@ def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     (TRACES / "smollm2-chat", ["--concurrency", "1,2"], "--concurrency needs a serving trace"),
     (TRACES / "smollm2-chat", ["--slo", "ttft=1"], "--slo needs a serving trace"),
     (TRACES / "smollm2-chat", ["--arrival-rate", "1,2"], "a sweep of --arrival-rate values needs a serving trace"),
+    (SERVING, ["--seed", "0,one"], "--seed takes integers, comma-separated (e.g. 0,1,2), got '0,one'"),
+    (SERVING, ["--seed", "1,2,1"], "--seed lists a seed twice: '1,2,1'"),
+    (TRACES / "smollm2-chat", ["--seed", "0,1"], "several --seed values pool loads under load; at batch 1 give one"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, trace, argv, message):
     assert replay_main(["--trace", str(trace)] + argv) == 2
