@@ -99,9 +99,10 @@ def bisect_capacity(attainment_at: Callable[[float], float], low: float, high: f
 
 def sweep_capacities(results: Iterable, goal: float,
                      attainment_at: Callable[[str, float], float],
-                     rel_tol: float = DEFAULT_REL_TOL) -> list[Capacity]:
+                     rel_tol: float = DEFAULT_REL_TOL, done: Callable[[], object] | None = None) -> list[Capacity]:
     """Each policy's capacity from a sweep's ``LoadResult``s, in their policy order,
-    bisected with ``attainment_at(policy, rate)`` (a fresh replay)."""
+    bisected with ``attainment_at(policy, rate)`` (a fresh replay); ``done()`` after each
+    policy's (a progress bar's update)."""
     capacities = []
     for policy, found in attainment_points(results).items():
         bracket = first_crossing(found, goal)
@@ -112,6 +113,8 @@ def sweep_capacities(results: Iterable, goal: float,
         else:
             rate, num_replays = bisect_capacity(lambda r: attainment_at(policy, r), *bracket, goal, rel_tol)
             capacities.append(Capacity(policy, goal, rate, num_replays=num_replays))
+        if done is not None:
+            done()
     return capacities
 
 

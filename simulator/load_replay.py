@@ -70,6 +70,7 @@ from simulator.step_costs import StepCosts, load_speeds
 from simulator.trace import Trace
 
 FIXED = frozenset(fixed_policy_names(True))
+PROGRESS_MIN_REQUESTS = 5000  # replays of fewer requests than this in all show no progress bar
 REFERENCES = frozenset({FORESIGHT})  # replayed beside the policies, never one of them
 
 
@@ -243,18 +244,35 @@ def summary_lines(summary: SweepSummary) -> list[str]:
     return lines
 
 
+def progress_bar(total: int, desc: str, unit: str = "req", num_requests: int | None = None):
+    """A progress bar on stderr (tqdm's) over ``total`` units of work that replays
+    ``num_requests`` requests (default: ``total``); None for fewer than
+    ``PROGRESS_MIN_REQUESTS``."""
+    if (total if num_requests is None else num_requests) < PROGRESS_MIN_REQUESTS:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
 def replay_loads(servings: Sequence[ServingReplay], costs: StepCosts, names: list[str], loads: list[Load],
                  slo: Slo | None = None, speeds: dict[tuple[str, str], float] | None = None) -> list[LoadResult]:
     """Every named policy at every load, in that order (load by load), under each of
     ``servings`` (one per seed), pooled (``summarize_load``); ``foresight`` under the
     replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy), the
     machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
-    ``serve_validate`` prices it; any other at the usual speed."""
-    def at(load: Load, name: str) -> StepCosts:
-        return replace(costs, speed=(speeds or {}).get((load.label, name), 1.0))
-    return mark_best_fixed([summarize_load(load.label, name, [serving.run(load, fresh(serving, name), at(load, name))
-                                                              for serving in servings], slo)
-                            for load in loads for name in names])
+    ``serve_validate`` prices it; any other at the usual speed. A progress bar for long work."""
+    bar = progress_bar(len(loads) * len(names) * sum(len(serving.requests) for serving in servings), "replay")
+
+    def run(load: Load, name: str, serving: ServingReplay) -> LoadRun:
+        found = serving.run(load, fresh(serving, name), replace(costs, speed=(speeds or {}).get((load.label, name), 1.0)))
+        if bar is not None:
+            bar.update(len(found.requests))
+        return found
+    results = [summarize_load(load.label, name, [run(load, name, serving) for serving in servings], slo)
+               for load in loads for name in names]
+    if bar is not None:
+        bar.close()
+    return mark_best_fixed(results)
 
 
 def fresh(serving: ServingReplay, name: str):
@@ -267,10 +285,17 @@ def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: lis
                goal: float) -> list[Capacity]:
     """Each policy's capacity at ``goal`` (``simulator.capacity``), bisected by replaying
     it at rates between the sweep's, under each of ``servings``, pooled."""
+    # shown where the sweep's was: a bisection replays about as many requests as its sweep did
+    bar = progress_bar(len({r.policy for r in results}), "capacity", "policy",
+                       len(results) * sum(len(serving.requests) for serving in servings))
+
     def attainment_at(name: str, rate_per_s: float) -> float:
         runs = [serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs) for serving in servings]
         return sum(num_meeting_slo(run.times(), slo) for run in runs) / sum(len(run.requests) for run in runs)
-    return sweep_capacities(results, goal, attainment_at)
+    found = sweep_capacities(results, goal, attainment_at, done=None if bar is None else bar.update)
+    if bar is not None:
+        bar.close()
+    return found
 
 
 def has_serving_grid(trace: Trace) -> bool:

@@ -47,7 +47,7 @@ from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.costs import CostModelError, request_cost
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
-from simulator.load_replay import has_serving_grid, serve_loads
+from simulator.load_replay import has_serving_grid, progress_bar, serve_loads
 from simulator.oracle import Oracle
 from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
 from simulator.schedule import Arrival, ScheduleError, schedule
@@ -58,7 +58,6 @@ from simulator.trace import Trace, load_trace, under_ngram
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "smollm2-chat"
 ORACLES = {ROUND_ORACLE: RoundOracle, "oracle": Oracle}  # replayed first: every policy's regret is against them
-PROGRESS_MIN_REQUESTS = 5000  # replays shorter than this show no progress bar
 
 
 @dataclass  # not frozen: built for every request a replay simulates, and a frozen init costs 4x
@@ -180,11 +179,7 @@ def replay(trace: Trace, timing: Timing, names: list[str], arrivals: list[Arriva
     inputs = timing.decision_inputs(trace, settings)
     trace = under_ngram(trace, inputs.engine.ngram)
     order = list(ORACLES) + [n for n in names if n not in ORACLES]
-    total = len(order) * len(arrivals)
-    progress = None
-    if total >= PROGRESS_MIN_REQUESTS:
-        from tqdm import tqdm
-        progress = tqdm(total=total, desc="replay", unit="req", file=sys.stderr, leave=False)
+    progress = progress_bar(len(order) * len(arrivals), "replay")
     ran = {}
     for name in order:
         session = make_session(name, trace, inputs, timing, strict)

@@ -19,8 +19,8 @@ from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from rakv.settings import Settings, override
 from simulator import serve_validate
-from simulator.load_replay import (LoadResult, mark_best_fixed, speculation_by_batch, summarize_load,
-                                   summary_lines, sweep_summary)
+from simulator.load_replay import (PROGRESS_MIN_REQUESTS, LoadResult, mark_best_fixed, progress_bar,
+                                   speculation_by_batch, summarize_load, summary_lines, sweep_summary)
 from simulator.replay import main as replay_main
 from simulator.serve_sim import LoadRun, TimedRequest
 from simulator.trace import load_trace
@@ -125,6 +125,17 @@ def test_a_sweep_under_several_seeds_pools_each_seeds_replay(capsys):
         assert row["span_s"] == pytest.approx(alone[0][key]["span_s"] + alone[1][key]["span_s"])
     assert replay_main(argv[:-1] + ["--seed", "3,4"]) == 0
     assert "20 requests under each of seeds 3, 4, pooled" in capsys.readouterr().out
+
+
+def test_long_replays_show_progress_on_stderr(capsys):
+    """A bar where the work replays ``PROGRESS_MIN_REQUESTS`` requests or more, counted in
+    its own units (a capacity's: policies); none below."""
+    assert progress_bar(PROGRESS_MIN_REQUESTS - 1, "replay") is None
+    assert progress_bar(3, "capacity", "policy", PROGRESS_MIN_REQUESTS - 1) is None
+    bar = progress_bar(3, "capacity", "policy", PROGRESS_MIN_REQUESTS)
+    bar.update()
+    bar.close()
+    assert "capacity" in capsys.readouterr().err
 
 
 def test_the_best_fixed_policy_is_marked_per_load():
