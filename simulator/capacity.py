@@ -47,12 +47,27 @@ class Capacity:
     num_replays: int = 0
 
 
-def check_attainment(goal: float, slo, rates_per_s: Sequence[float | None]) -> None:
-    """``--attainment``'s goal beside the replay's ``slo`` and its loads' rates (None for
-    a closed loop): a one-line ValueError unless the goal is in (0, 1], an SLO is stated and
-    the loads are two or more finite rates."""
-    if not 0 < goal <= 1:
-        raise ValueError(f"--attainment must be a share in (0, 1], e.g. 0.9; got {goal:g}")
+def attainment_goals(text: str) -> tuple[float, ...]:
+    """``--attainment``'s comma list of goals (``0.9,0.95``): distinct shares in (0, 1];
+    a one-line ValueError otherwise."""
+    goals = []
+    for part in text.split(","):
+        try:
+            goal = float(part)
+        except ValueError:
+            raise ValueError(f"--attainment: {part!r} is not a number") from None
+        if not 0 < goal <= 1:
+            raise ValueError(f"--attainment must be a share in (0, 1], e.g. 0.9; got {goal:g}")
+        if goal in goals:
+            raise ValueError(f"--attainment lists {goal:g} twice")
+        goals.append(goal)
+    return tuple(goals)
+
+
+def check_attainment(slo, rates_per_s: Sequence[float | None]) -> None:
+    """``--attainment`` beside the replay's ``slo`` and its loads' rates (None for a closed
+    loop): a one-line ValueError unless an SLO is stated and the loads are two or more
+    finite rates."""
     if slo is None or not slo.stated:
         raise ValueError("--attainment needs an --slo: the bounds a request must meet to count")
     if len(rates_per_s) < 2 or any(rate is None or rate == float("inf") for rate in rates_per_s):
@@ -119,10 +134,14 @@ def sweep_capacities(results: Iterable, goal: float,
 
 
 def capacity_lines(capacities: list[Capacity], fixed: frozenset[str], references: frozenset[str]) -> list[str]:
-    """The capacities as the sweep's summary prints them: the best fixed policy's, then each
-    other policy's against it."""
-    if not capacities:
-        return []
+    """The capacities as the sweep's summary prints them, a line per goal: the best fixed
+    policy's, then each other policy's against it."""
+    goals = dict.fromkeys(c.goal for c in capacities)
+    return [_goal_line([c for c in capacities if c.goal == goal], fixed, references) for goal in goals]
+
+
+def _goal_line(capacities: list[Capacity], fixed: frozenset[str], references: frozenset[str]) -> str:
+    """``capacity_lines``'s line for one goal's capacities."""
 
     def text(c: Capacity) -> str:
         if c.rate_per_s is None:
@@ -133,7 +152,7 @@ def capacity_lines(capacities: list[Capacity], fixed: frozenset[str], references
     head = (f"Capacity, the highest Poisson rate (req/s) keeping at least {100 * goal:g} % of the requests within "
             f"the SLO (bisected between the sweep's rates to {100 * DEFAULT_REL_TOL:g} %)")
     if not fixed_found:
-        return [f"{head}: " + "; ".join(f"{c.policy} {text(c)}" for c in capacities)]
+        return f"{head}: " + "; ".join(f"{c.policy} {text(c)}" for c in capacities)
     best = max(fixed_found, key=lambda c: c.rate_per_s)
     others = []
     for c in capacities:
@@ -143,4 +162,4 @@ def capacity_lines(capacities: list[Capacity], fixed: frozenset[str], references
         if c.rate_per_s is not None and not best.beyond_sweep:  # a lower bound's margin is one too
             over = f" ({'at least ' if c.beyond_sweep else ''}{100 * (c.rate_per_s / best.rate_per_s - 1):+.1f} %)"
         others.append(f"{c.policy}{' (a reference)' if c.policy in references else ''} {text(c)}{over}")
-    return [f"{head}: the best fixed policy {best.policy} {text(best)}" + "".join(f"; {o}" for o in others)]
+    return f"{head}: the best fixed policy {best.policy} {text(best)}" + "".join(f"; {o}" for o in others)

@@ -62,7 +62,7 @@ from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, nu
 from rakv.choices import fixed_policy_names
 from rakv.scheduler import PREFILL
 from rakv.settings import DecisionInputs
-from simulator.capacity import Capacity, capacity_lines, check_attainment, sweep_capacities
+from simulator.capacity import Capacity, attainment_goals, capacity_lines, check_attainment, sweep_capacities
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_steps
@@ -282,17 +282,19 @@ def fresh(serving: ServingReplay, name: str):
 
 
 def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: list[LoadResult], slo: Slo,
-               goal: float) -> list[Capacity]:
-    """Each policy's capacity at ``goal`` (``simulator.capacity``), bisected by replaying
-    it at rates between the sweep's, under each of ``servings``, pooled."""
+               goals: Sequence[float]) -> list[Capacity]:
+    """Each policy's capacity at each of ``goals`` (``simulator.capacity``), goal by goal,
+    bisected by replaying it at rates between the sweep's, under each of ``servings``,
+    pooled."""
     # shown where the sweep's was: a bisection replays about as many requests as its sweep did
-    bar = progress_bar(len({r.policy for r in results}), "capacity", "policy",
+    bar = progress_bar(len(goals) * len({r.policy for r in results}), "capacity", "policy",
                        len(results) * sum(len(serving.requests) for serving in servings))
 
     def attainment_at(name: str, rate_per_s: float) -> float:
         runs = [serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs) for serving in servings]
         return sum(num_meeting_slo(run.times(), slo) for run in runs) / sum(len(run.requests) for run in runs)
-    found = sweep_capacities(results, goal, attainment_at, done=None if bar is None else bar.update)
+    found = [capacity for goal in goals
+             for capacity in sweep_capacities(results, goal, attainment_at, done=None if bar is None else bar.update)]
     if bar is not None:
         bar.close()
     return found
@@ -362,8 +364,9 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     ``args`` gives, decided with ``inputs``; prints a table or JSON lines, writes plots."""
     slo = slo_option(args.slo)
     loads = loads_given(trace, args.concurrency, args.arrival_rate)
-    if args.attainment is not None:
-        check_attainment(args.attainment, slo, [load.rate_per_s for load in loads])
+    goals = attainment_goals(args.attainment) if args.attainment is not None else ()
+    if goals:
+        check_attainment(slo, [load.rate_per_s for load in loads])
     servings = [ServingReplay(trace, inputs, args.requests, seed, strict=args.strict,
                               recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
@@ -376,7 +379,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
     costs = fit_serving_costs(trace, steps)
     results = replay_loads(servings, costs, names, loads, slo, load_speeds(steps) if recorded else {})
-    found = capacities(servings, costs, results, slo, args.attainment) if args.attainment is not None else []
+    found = capacities(servings, costs, results, slo, goals) if goals else []
     if args.json:
         for r in results + found:
             print(json.dumps(asdict(r)))

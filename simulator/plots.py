@@ -13,7 +13,7 @@ Under load (a serving trace, ``simulator.load_replay``), ``write_load_plots``:
 - ``speculation_vs_batch.png``: the share of rounds that speculate against the running
   batch size, one line per policy, its loads' rounds pooled;
 - ``attainment_vs_rate.png`` (with ``--attainment``): each policy's share of requests
-  within the SLO against the rate, the goal as a line, each capacity marked on it
+  within the SLO against the rate, each goal as a line, each capacity marked on its own
   (``simulator.capacity``).
 """
 from __future__ import annotations
@@ -141,13 +141,13 @@ def pooled_shares(parts) -> list[tuple[int, float]]:
 
 
 def _attainment_plot(directory: Path, results: list, title: str, capacities: list) -> Path:
-    """Each policy's share of requests within the SLO against the rate, the goal as a line
-    and each capacity marked on it."""
+    """Each policy's share of requests within the SLO against the rate, each goal as a line
+    and each capacity marked on its goal's."""
     import matplotlib.pyplot as plt
 
     from simulator.capacity import attainment_points
 
-    goal = capacities[0].goal
+    goals = list(dict.fromkeys(c.goal for c in capacities))
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {}
     for i, (policy, points) in enumerate(attainment_points(results).items()):
@@ -155,11 +155,12 @@ def _attainment_plot(directory: Path, results: list, title: str, capacities: lis
         ax.plot([r for r, _ in points], [a for _, a in points], marker="o", color=colors[policy], label=policy)
     for c in capacities:
         if c.rate_per_s is not None:
-            ax.plot([c.rate_per_s], [goal], marker=">" if c.beyond_sweep else "x", markersize=9,
+            ax.plot([c.rate_per_s], [c.goal], marker=">" if c.beyond_sweep else "x", markersize=9,
                     color=colors[c.policy])
-    ax.axhline(goal, color="grey", linestyle=":")
+    for goal in goals:
+        ax.axhline(goal, color="grey", linestyle=":")
     ax.set(xlabel="requests/s (open loop)", ylabel="share of requests within the SLO", ylim=(-0.02, 1.02),
-           title=f"{title}: capacity at {100 * goal:g} % (x; >: at least)")
+           title=f"{title}: capacity at {', '.join(f'{100 * goal:g}' for goal in goals)} % (x; >: at least)")
     ax.legend(fontsize=7)
     return _save(fig, directory / "attainment_vs_rate.png")
 

@@ -276,10 +276,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--slo", default=None, metavar="ttft=S,itl=S,e2e=S",
                       help="bounds in seconds, any subset, for goodput: the requests meeting every bound per second "
                            "(itl: a request's mean inter-token latency); default: no goodput")
-    load.add_argument("--attainment", type=float, default=None, metavar="GOAL",
+    load.add_argument("--attainment", default=None, metavar="GOAL[,GOAL...]",
                       help="with --slo and a sweep of --arrival-rate values: each policy's capacity, the highest "
                            "Poisson rate at which it keeps at least GOAL (a share, e.g. 0.9: DistServe's goodput) of "
-                           "its requests within the SLO, bisected between the sweep's rates to 1 %%")
+                           "its requests within the SLO, bisected between the sweep's rates to 1 %%; a comma list "
+                           "(0.9,0.95) gives each goal's from the one sweep")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per policy (under load: per load and policy, then per policy its "
                         "capacity with --attainment) instead of a table")

@@ -109,9 +109,27 @@ def test_a_capacity_under_several_seeds_meets_the_goal_over_their_requests_poole
     assert at["num_requests"] == 40 and at["num_meeting_slo"] >= 0.9 * 40
 
 
+def test_several_goals_are_bisected_from_one_sweep(capsys):
+    """--attainment 0.9,0.95: a capacity per policy and goal, a summary line per goal; a
+    higher goal's capacity is never the higher."""
+    argv = ["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "2,4", "--requests", "20",
+            "--slo", "ttft=1,itl=0.2", "--attainment", "0.9,0.95"]
+    assert replay_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" of the requests")[0].split(" keeping ")[1] for line in lines[-2:]] == ["at least 90 %",
+                                                                                         "at least 95 %"]
+    assert replay_main(argv + ["--json"]) == 0
+    found = {(r["policy"], r["goal"]): r["rate_per_s"] for r in map(json.loads, capsys.readouterr().out.splitlines())
+             if "goal" in r}
+    assert set(found) == {(p, g) for p in ("ar", "rakv") for g in (0.9, 0.95)}
+    assert all(found[p, 0.95] <= found[p, 0.9] for p in ("ar", "rakv"))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--arrival-rate", "1,2", "--slo", "ttft=1", "--attainment", "1.5"], "--attainment must be a share in (0, 1]"),
     (["--arrival-rate", "1,2", "--attainment", "0.9"], "--attainment needs an --slo"),
+    (["--arrival-rate", "1,2", "--slo", "ttft=1", "--attainment", "0.9,most"], "--attainment: 'most' is not a number"),
+    (["--arrival-rate", "1,2", "--slo", "ttft=1", "--attainment", "0.9,0.90"], "--attainment lists 0.9 twice"),
     (["--arrival-rate", "1", "--slo", "ttft=1", "--attainment", "0.9"], "two or more finite --arrival-rate values"),
     (["--concurrency", "1,2", "--slo", "ttft=1", "--attainment", "0.9"], "two or more finite --arrival-rate values"),
 ])
@@ -129,7 +147,7 @@ def test_attainment_needs_a_serving_trace(capsys):
 
 def test_the_attainment_plot_is_written(tmp_path, capsys):
     assert replay_main(["--trace", str(SERVING), "--policy", "ar,rakv", "--arrival-rate", "1,3", "--requests", "20",
-                        "--slo", "ttft=1,itl=0.2", "--attainment", "0.9", "--plot", str(tmp_path)]) == 0
+                        "--slo", "ttft=1,itl=0.2", "--attainment", "0.9,0.95", "--plot", str(tmp_path)]) == 0
     assert (tmp_path / "attainment_vs_rate.png").stat().st_size > 10_000
 
 
