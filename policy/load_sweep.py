@@ -6,10 +6,11 @@ batch-1 traces' tokens per second: a planner tuned at batch 1 only prices its ro
 an idle machine's trade-offs, and what pays under load is not what pays alone (results
 section 15: prompt lookup +26 % at one request in flight, -15 % at four). The sweep's
 requests are the trace's, resampled with their prefix families to ``num_requests`` (one
-request of 16 is 6 % of a rate's goodput; a smoother objective needs more), on the
-trace's step model (``simulator.step_costs``), under the recording's ITL and TTFT
-targets or those given, as ``simulator.replay --arrival-rate R,... --slo ...
-[--itl-target S] [--ttft-target S]`` replays them.
+request of 16 is 6 % of a rate's goodput; a smoother objective needs more) under each of
+its seeds and pooled (more requests of one seed repeat its prompts more: another
+workload), on the trace's step model (``simulator.step_costs``), under the recording's
+ITL and TTFT targets or those given, as ``simulator.replay --arrival-rate R,... --slo ...
+--seed S,... [--itl-target S] [--ttft-target S]`` replays them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Callable
 from profiler.serve_record import Load
 from profiler.serve_summary import Slo
 from rakv.controller import Policy
+from rakv.scheduler import BatchConfig
 from rakv.settings import DecisionInputs, Settings
 from simulator.load_replay import has_serving_grid, summarize_load
 from simulator.serve_validate import ServingReplay, fit_serving_costs
@@ -31,7 +33,7 @@ class SweepConfig:
     rates_per_s: tuple[float, ...]  # Poisson arrival rates, requests per second
     slo: Slo  # a request counts towards goodput if it meets every stated bound
     num_requests: int = 200  # resampled from the trace's, with their prefix families
-    seed: int = 0  # of the resampling and the arrivals
+    seeds: tuple[int, ...] = (0,)  # of the resampling and the arrivals: each rate replayed under each, pooled
     # the server's targets (``rakv.scheduler.BatchConfig``): None, the recording's; 0, none
     itl_target_s: float | None = None
     ttft_target_s: float | None = None
@@ -49,26 +51,32 @@ class LoadSweep:
             raise ValueError("a rate sweep's goodput needs an SLO of at least one bound")
         self.trace: Trace = trace
         self.config = config
-        self.serving = ServingReplay(trace, trace.decision_inputs(Settings()), config.num_requests, config.seed,
-                                     itl_target_s=config.itl_target_s, ttft_target_s=config.ttft_target_s)
+        self.servings = [ServingReplay(trace, trace.decision_inputs(Settings()), config.num_requests, seed,
+                                       itl_target_s=config.itl_target_s, ttft_target_s=config.ttft_target_s)
+                         for seed in config.seeds]
         self.costs = fit_serving_costs(trace)
         self._named: dict[str, float] = {}
 
     @property
     def inputs(self) -> DecisionInputs:
-        return self.serving.inputs
+        return self.servings[0].inputs
+
+    @property
+    def batch(self) -> BatchConfig:
+        return self.servings[0].batch
 
     def goodput_per_s(self, policy: str | Callable[[], Policy]) -> float:
-        """The goodput a policy serves, summed over the sweep's rates: a name (computed
-        once), or a function making a fresh one, called per rate (a policy carries what it
-        learned from one load into the next)."""
+        """The goodput a policy serves, summed over the sweep's rates (each rate's seeds
+        pooled): a name (computed once), or a function making a fresh one, called per rate
+        and seed (a policy carries what it learned from one load into the next)."""
         if isinstance(policy, str) and policy in self._named:
             return self._named[policy]
         total = 0.0
         for rate in self.config.rates_per_s:
             load = Load(rate_per_s=rate)
-            run = self.serving.run(load, policy if isinstance(policy, str) else policy(), self.costs)
-            total += summarize_load(load.label, "", [run], self.config.slo).goodput_per_s or 0.0
+            runs = [serving.run(load, policy if isinstance(policy, str) else policy(), self.costs)
+                    for serving in self.servings]
+            total += summarize_load(load.label, "", runs, self.config.slo).goodput_per_s or 0.0
         if isinstance(policy, str):
             self._named[policy] = total
         return total

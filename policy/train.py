@@ -37,7 +37,7 @@ from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, sh
 from policy.load_sweep import LoadSweep, SweepConfig
 from policy.round_data import (DrafterRows, collect, draft_acceptance, first_target, further_target, split_families,
                                token_prior)
-from profiler.arrivals import parse_loads
+from profiler.arrivals import parse_loads, parse_seeds
 from profiler.schema import SCHEMA_VERSION, TraceError
 from profiler.serve_summary import slo_option
 from rakv.cli import run_cli
@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="the goodput's bounds in seconds, any subset (needed with --serve-trace)")
     load.add_argument("--serve-requests", type=int, default=200, metavar="N",
                       help="requests per rate, resampled with their prefix families (default: 200)")
+    load.add_argument("--serve-seeds", default=None, metavar="S[,S...]",
+                      help="seeds of the sweep's resampling and arrivals: each rate is replayed under each and "
+                           "pooled, a steadier objective than more requests of one seed (default: --seed)")
     load.add_argument("--itl-target", type=float, default=None, metavar="S",
                       help=f"the sweep's server: {ITL_TARGET_HELP}; 0: none (default: each trace's recording's)")
     load.add_argument("--ttft-target", type=float, default=None, metavar="S",
@@ -96,7 +99,8 @@ def load_sweeps(args: argparse.Namespace, pair: str | None) -> list[LoadSweep]:
         raise ValueError(f"--serve-requests must be at least 1, got {args.serve_requests}")
     check_targets(args.itl_target, args.ttft_target)
     slo = slo_option(args.slo)
-    config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, args.seed,
+    seeds = (args.seed,) if args.serve_seeds is None else parse_seeds(args.serve_seeds, "--serve-seeds")
+    config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, seeds,
                          args.itl_target, args.ttft_target)
     sweeps = [LoadSweep(path, config) for path in args.serve_trace]
     for sweep in sweeps:
@@ -348,7 +352,8 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
                    if subset(trace, test).requests]
     under_load = [{"trace": sweep.trace.path.name, "rates_per_s": list(sweep.config.rates_per_s),
                    "slo": sweep.config.slo.describe(), "num_requests": sweep.config.num_requests,
-                   "itl_target_s": sweep.serving.batch.itl_target_s, "ttft_target_s": sweep.serving.batch.ttft_target_s,
+                   "seeds": list(sweep.config.seeds),
+                   "itl_target_s": sweep.batch.itl_target_s, "ttft_target_s": sweep.batch.ttft_target_s,
                    "goodput_per_s": {"learned": learned_goodput_per_s(sweep, policy_file),
                                      **{name: sweep.goodput_per_s(name) for name in ("rakv", "kv-only")}}}
                   for sweep in sweeps]

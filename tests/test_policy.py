@@ -163,7 +163,13 @@ def test_tuning_under_load_scores_a_rate_sweep(trace, serving, tmp_path, capsys)
     assert under_load["trace"] == "tiny-serve" and under_load["num_requests"] == 12
     assert under_load["ttft_target_s"] == 0.5 and under_load["itl_target_s"] is None
     assert under_load["goodput_per_s"]["rakv"] == pytest.approx(sweep.goodput_per_s("rakv"))
-    assert set(under_load["goodput_per_s"]) == {"learned", "rakv", "kv-only"}
+    assert set(under_load["goodput_per_s"]) == {"learned", "rakv", "kv-only"} and under_load["seeds"] == [0]
+    # under several seeds, each rate's runs pooled, as simulator.replay --seed S,S pools them
+    pooled = LoadSweep(serving, SweepConfig((20.0, 40.0), parse_slo("ttft=0.5"), 12, (0, 1), ttft_target_s=0.5))
+    assert replay_main(["--trace", str(serving), "--policy", "rakv", "--arrival-rate", "20,40", "--slo", "ttft=0.5",
+                        "--requests", "12", "--seed", "0,1", "--ttft-target", "0.5", "--json"]) == 0
+    replayed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert pooled.goodput_per_s("rakv") == pytest.approx(sum(r["goodput_per_s"] for r in replayed))
 
 
 def test_tuning_under_load_needs_its_rates_and_slo(trace, serving, tmp_path, capsys):
@@ -173,6 +179,8 @@ def test_tuning_under_load_needs_its_rates_and_slo(trace, serving, tmp_path, cap
                                                "goodput scores a trial")
     assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=x"]) == 2
     assert capsys.readouterr().err.strip() == "error: --slo: ttft: 'x' is not a number of seconds"
+    assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=1", "--serve-seeds", "0,0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --serve-seeds lists a seed twice: '0,0'"
     assert train_main(argv + ["--arrival-rate", "1", "--slo", "ttft=1", "--ttft-target", "-1"]) == 2
     assert capsys.readouterr().err.strip() == "error: --ttft-target must be 0 (none) or above, got -1"
     assert train_main(argv + ["--arrival-rate", "1", "--slo", "e2e=1e-9"]) == 2
