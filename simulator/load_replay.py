@@ -264,7 +264,8 @@ def replay_loads(servings: Sequence[ServingReplay], costs: StepCosts, names: lis
     bar = progress_bar(len(loads) * len(names) * sum(len(serving.requests) for serving in servings), "replay")
 
     def run(load: Load, name: str, serving: ServingReplay) -> LoadRun:
-        found = serving.run(load, fresh(serving, name), replace(costs, speed=(speeds or {}).get((load.label, name), 1.0)))
+        speed = (speeds or {}).get((load.label, name), 1.0)
+        found = serving.run(load, fresh(serving, name), replace(costs, speed=speed))
         if bar is not None:
             bar.update(len(found.requests))
         return found
@@ -371,7 +372,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
                               recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
                               ttft_target_s=args.ttft_target)
-                for seed in args.seed or (None,)]  # --seed: a comma list (``parse_seeds``), each load replayed under each
+                for seed in args.seed or (None,)]  # --seed's list (``parse_seeds``): each load replayed under each
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran;
     # with --attainment every load at the usual speed, as the rates its capacities are bisected at
     recorded = all(given is None for given in (args.concurrency, args.arrival_rate, args.requests, args.seed,

@@ -93,8 +93,9 @@ def test_runs_under_several_seeds_are_pooled_as_if_served_one_after_another():
     """Percentiles over every request; counts summed; the rates per second over the runs'
     spans summed (so are their arrivals' spans)."""
     step = type("Step", (), {"composition": Composition((0,), (DECODE,), (1,), (10,), ("",), (0,))})()
-    first = LoadRun([step], [TimedRequest(0, 0.0, 0.5, 2.5, 5), TimedRequest(1, 1.0, 3.0, 4.0, 3)])  # span 4, arrivals 1
-    second = LoadRun([], [TimedRequest(0, 0.5, 0.7, 1.7, 3), TimedRequest(1, 2.5, 2.6, 3.5, 2)])  # span 3, arrivals 2
+    # spans 4 and 3 s, arrivals' spans 1 and 2 s
+    first = LoadRun([step], [TimedRequest(0, 0.0, 0.5, 2.5, 5), TimedRequest(1, 1.0, 3.0, 4.0, 3)])
+    second = LoadRun([], [TimedRequest(0, 0.5, 0.7, 1.7, 3), TimedRequest(1, 2.5, 2.6, 3.5, 2)])
     slo = parse_slo("ttft=1,itl=1")
     pooled = summarize_load("rate=1", "ar", [first, second], slo)
     assert (pooled.num_requests, pooled.num_steps, pooled.num_meeting_slo) == (4, 1, 3)
