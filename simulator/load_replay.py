@@ -165,6 +165,16 @@ def mark_best_fixed(results: list[LoadResult]) -> list[LoadResult]:
 
 
 @dataclass(frozen=True)
+class Shortfall:
+    """A load where an adaptive policy kept fewer requests within the SLO than ``kv-only``."""
+
+    load: str
+    num_meeting_slo: int
+    kv_only_meeting_slo: int
+    num_requests: int
+
+
+@dataclass(frozen=True)
 class SweepSummary:
     """Goodput summed over a sweep's loads (req/s), per policy in the order replayed."""
 
@@ -172,7 +182,7 @@ class SweepSummary:
     goodput_per_s: dict[str, float]
     best_fixed: str  # the fixed policy of the highest sum
     envelope_per_s: float  # at each load the best policy's goodput, in hindsight, summed
-    below_kv_only: dict[str, tuple[str, ...]]  # per adaptive policy, the loads where it met the SLO less often
+    below_kv_only: dict[str, tuple[Shortfall, ...]]  # per adaptive policy, the loads where it met the SLO less often
     references_per_s: dict[str, float]  # per reference replayed (``REFERENCES``), as ``goodput_per_s``
     # every request of every load within the SLO over its arrivals' span, summed: above any
     # policy's sum; None where a load is a closed loop (its arrivals follow the policy)
@@ -209,10 +219,10 @@ def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
     if not fixed:
         return None
     kv_only = {r.load: r.num_meeting_slo for r in results if r.policy == "kv-only"}
-    below: dict[str, list[str]] = defaultdict(list)
+    below: dict[str, list[Shortfall]] = defaultdict(list)
     for r in results:
         if r.policy not in FIXED | REFERENCES and r.load in kv_only and r.num_meeting_slo < kv_only[r.load]:
-            below[r.policy].append(r.load)
+            below[r.policy].append(Shortfall(r.load, r.num_meeting_slo, kv_only[r.load], r.num_requests))
     references = {name: totals.pop(name) for name in list(totals) if name in REFERENCES}
     return SweepSummary(len(loads), dict(totals), max(fixed, key=totals.__getitem__), sum(best_at.values()),
                         {name: tuple(found) for name, found in below.items()}, references,
@@ -229,8 +239,9 @@ def summary_lines(summary: SweepSummary) -> list[str]:
              f"policy {best} {summary.goodput_per_s[best]:.3f}{over}; the best of the policies replayed at each "
              f"load, in hindsight, {envelope:.3f} ({100 * summary.over_best_fixed(envelope):+.1f} %)"]
     if "kv-only" in summary.goodput_per_s and adaptive:
-        below = "; ".join(f"{name} at {', '.join(summary.below_kv_only[name])}" for name in adaptive
-                          if summary.below_kv_only.get(name))
+        below = "; ".join(f"{name} at " + ", ".join(f"{s.load} ({s.num_meeting_slo} of {s.num_requests} against "
+                                                    f"{s.kv_only_meeting_slo})" for s in summary.below_kv_only[name])
+                          for name in adaptive if summary.below_kv_only.get(name))
         lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
     over = summary.over_best_fixed
     references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %"

@@ -19,7 +19,7 @@ from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from rakv.settings import Settings, override
 from simulator import serve_validate
-from simulator.load_replay import (PROGRESS_MIN_REQUESTS, LoadResult, mark_best_fixed, progress_bar,
+from simulator.load_replay import (PROGRESS_MIN_REQUESTS, LoadResult, Shortfall, mark_best_fixed, progress_bar,
                                    speculation_by_batch, summarize_load, summary_lines, sweep_summary)
 from simulator.replay import main as replay_main
 from simulator.serve_sim import LoadRun, TimedRequest
@@ -157,14 +157,15 @@ def test_a_sweep_is_summed_against_the_best_single_fixed_policy():
            ("rate=1", "rakv"): 9, ("rate=2", "kv-only"): 2, ("rate=2", "joint-suffix-k8"): 20,
            ("rate=2", "joint-suffix-k1"): 4, ("rate=2", "rakv"): 24}
     results = [LoadResult(**{**base.__dict__, "load": load, "policy": policy, "num_meeting_slo": n,
-                             "goodput_per_s": n / 10}) for (load, policy), n in met.items()]
+                             "num_requests": 30, "goodput_per_s": n / 10}) for (load, policy), n in met.items()]
     summary = sweep_summary(results)
     assert summary.best_fixed == "joint-suffix-k8"  # 2.9 req/s over the sweep; joint-suffix-k1 1.6, best at rate=1
     assert summary.over_best_fixed(summary.goodput_per_s["rakv"]) == pytest.approx(3.3 / 2.9 - 1)
     assert summary.envelope_per_s == pytest.approx(1.2 + 2.4)
-    assert summary.below_kv_only == {"rakv": ("rate=1",)}
+    assert summary.below_kv_only == {"rakv": (Shortfall("rate=1", 9, 10, 30),)}
     lines = summary_lines(summary)
-    assert "joint-suffix-k8 2.900; rakv 3.300 (+13.8 %)" in lines[0] and lines[1].endswith("rakv at rate=1")
+    assert "joint-suffix-k8 2.900; rakv 3.300 (+13.8 %)" in lines[0]
+    assert lines[1].endswith("rakv at rate=1 (9 of 30 against 10)")
     assert sweep_summary(results[:4]) is None  # one load
     assert sweep_summary([replace(r, goodput_per_s=None) for r in results]) is None  # no SLO
 
@@ -184,7 +185,7 @@ def test_a_sweep_lists_its_references_apart_from_the_policies():
     assert set(summary.goodput_per_s) == {"kv-only", "rakv"}
     assert summary.references_per_s == {"foresight": pytest.approx(0.4)}
     assert summary.envelope_per_s == pytest.approx(0.4)  # kv-only at rate=1, rakv at rate=2; not foresight
-    assert summary.below_kv_only == {"rakv": ("rate=1",)}
+    assert summary.below_kv_only == {"rakv": (Shortfall("rate=1", 1, 2, 2),)}
     assert summary.ceiling_per_s == pytest.approx(2 / 5.0 + 2 / 2.5)
     lines = summary_lines(summary)
     # kv-only 0.2 the best fixed, rakv 0.3: half of foresight's gain of 0.2
