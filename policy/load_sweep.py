@@ -23,7 +23,8 @@ from profiler.serve_summary import Slo
 from rakv.controller import Policy
 from rakv.scheduler import BatchConfig
 from rakv.settings import DecisionInputs, Settings
-from simulator.load_replay import has_serving_grid, summarize_load
+from simulator.load_replay import has_serving_grid
+from simulator.load_result import summarize_load
 from simulator.serve_validate import ServingReplay, fit_serving_costs
 from simulator.trace import Trace, load_trace
 

@@ -9,7 +9,7 @@ forwards of the ops table (op ``batch``): each shape's median, and in one-row st
 request, one row, at the same context).
 
 A load's statistics are defined here once, for measured and simulated loads alike
-(``simulator.serve_validate``, ``simulator.load_replay``): percentiles (numpy's linear
+(``simulator.serve_validate``, ``simulator.load_result``): percentiles (numpy's linear
 interpolation, as ``vllm bench serve``; ``bench.serve`` takes them and the SLO from here),
 a request's ITL as its mean after its first token (vLLM's TPOT), and an SLO (``Slo``:
 per-request bounds on TTFT, that mean ITL and e2e; a one-token request has no ITL to

@@ -2,7 +2,7 @@
 least a goal share of its requests within the SLO (DistServe's goodput, at its usual goal
 of 90 %). Imports no torch.
 
-Why beside the sweep's summed goodput (``simulator.load_replay.SweepSummary``): a sum over
+Why beside the sweep's summed goodput (``simulator.sweep_summary.SweepSummary``): a sum over
 a sweep's rates weighs every rate alike, and below the knee every policy serves nearly
 every request, so those rates add about the same to every policy's sum and shrink the
 margins between policies the more of them a sweep holds. Capacity is one rate per policy,

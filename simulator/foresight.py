@@ -23,7 +23,7 @@ planner's; every round accepts all it drafts.
 
 It is greedy, one round at a time, by the step's tokens per second: not a bound on
 goodput, which turns on queues and latency bounds no single round sees.
-``simulator.load_replay`` lists it apart from the policies.
+``simulator.sweep_summary`` lists it apart from the policies.
 """
 from __future__ import annotations
 

@@ -17,28 +17,12 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
 - Requests: the trace's serving requests (``config.serve_requests``), or ``--requests N``
   resampled with their prefix families (``simulator.schedule``). Under several seeds
   (``--seed 0,1,2``), each load is replayed under each seed's requests and arrivals, and
-  the runs pooled as if served one after another (``summarize_load``): the same workload
-  seen more times, where more requests of one seed would repeat its prompts more.
-- Per (load, policy) a ``LoadResult``: p50/p90/p99 of TTFT, ITL (each request's mean after
-  its first token) and e2e, output tok/s over the load's span (first arrival to last
-  finish), goodput under an SLO (vLLM's ``benchmark_serving --goodput``: the requests that
-  met every stated bound, per second of that span; None without an SLO), and the share of
-  rounds that speculate by running batch size: of each step's decode and verify works (a
-  prefill chunk is no round), those with k > 0, counted against the step's number of
-  decode and verify works (the requests decoding together; a step that only prefills has
-  none and counts nowhere).
-- Per load, the best fixed policy (``rakv.choices``) by goodput, or by tok/s without an
-  SLO, is marked: what a policy that adapts must beat.
-- Over a sweep of several loads under an SLO (``SweepSummary``): each policy's goodput
-  summed over the loads against the best single fixed policy's, the same sum for the best
-  of all the policies at each load chosen in hindsight (the envelope of what was
-  replayed), and the loads where an adaptive policy kept fewer requests within the SLO
-  than ``kv-only``. Two references stand apart from the policies: ``foresight``
-  (``simulator.foresight``: ``rakv`` knowing each round's outcome) where it was replayed,
-  with the share of its gain over the best fixed policy each adaptive policy reaches; and,
-  over open loops, the ceiling no policy can pass: every request within the SLO,
-  each load's requests over its arrivals' span (a load's span runs from its first arrival
-  to its last finish, so it is never shorter).
+  the runs pooled (``simulator.load_result.summarize_load``).
+- Per (load, policy) a ``simulator.load_result.LoadResult``: latency percentiles, tok/s,
+  goodput under an SLO, and the share of rounds that speculate by running batch size.
+- Per load the best fixed policy is marked, and a sweep under an SLO ends with each
+  policy's goodput summed against the best single fixed policy's
+  (``simulator.sweep_summary``).
 - With an attainment goal (``--attainment``), each policy's capacity: the highest rate at
   which it keeps that share of its requests within the SLO (``simulator.capacity``),
   bisected by further replays between the sweep's rates.
@@ -52,207 +36,23 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
-from dataclasses import asdict, dataclass, replace
-from typing import Iterable, Sequence
+from dataclasses import asdict, replace
+from typing import Sequence
 
 from profiler.arrivals import parse_loads
 from profiler.serve_record import Load, loads_of
-from profiler.serve_summary import Percentiles, Slo, goodput, load_latencies, num_meeting_slo, slo_option, span_of
-from rakv.choices import fixed_policy_names
-from rakv.scheduler import PREFILL
+from profiler.serve_summary import Slo, num_meeting_slo, slo_option
 from rakv.settings import DecisionInputs
 from simulator.capacity import Capacity, attainment_goals, capacity_lines, check_attainment, sweep_capacities
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
+from simulator.load_result import LoadResult, summarize_load
 from simulator.serve_sim import LoadRun
 from simulator.serve_validate import ServingReplay, fit_serving_costs, recorded_steps
 from simulator.step_costs import StepCosts, load_speeds
+from simulator.sweep_summary import FIXED, REFERENCES, mark_best_fixed, summary_lines, sweep_summary
 from simulator.trace import Trace
 
-FIXED = frozenset(fixed_policy_names(True))
 PROGRESS_MIN_REQUESTS = 5000  # replays of fewer requests than this in all show no progress bar
-REFERENCES = frozenset({FORESIGHT})  # replayed beside the policies, never one of them
-
-
-@dataclass(frozen=True)
-class SpeculationAt:
-    """The rounds of steps with ``batch_size`` decode and verify works: how many, and how
-    many of them speculated (k > 0)."""
-
-    batch_size: int
-    num_rounds: int
-    num_speculating: int
-
-    @property
-    def share(self) -> float:
-        return self.num_speculating / self.num_rounds if self.num_rounds else 0.0
-
-
-def speculation_by_batch(steps: Iterable) -> tuple[SpeculationAt, ...]:
-    """``ReplayedStep``s (anything with a ``composition``) -> SpeculationAt per running
-    batch size, smallest first."""
-    counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-    for step in steps:
-        c = step.composition
-        ks = [k for kind, k in zip(c.kinds, c.ks) if kind != PREFILL]
-        if ks:
-            entry = counts[len(ks)]
-            entry[0] += len(ks)
-            entry[1] += sum(k > 0 for k in ks)
-    return tuple(SpeculationAt(b, n, s) for b, (n, s) in sorted(counts.items()))
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """One policy at one load, simulated; times in seconds from the load's start."""
-
-    load: str  # c=N or rate=R
-    policy: str
-    num_requests: int
-    num_steps: int
-    span_s: float  # first arrival to last finish
-    num_output_tokens: int
-    output_tok_per_s: float
-    ttft: Percentiles
-    itl: Percentiles  # of each request's mean inter-token latency after its first token
-    e2e: Percentiles
-    slo: str | None  # the SLO stated (``Slo.describe``), None: none
-    num_meeting_slo: int | None
-    goodput_per_s: float | None  # num_meeting_slo / span_s
-    share_speculating: float  # of every decode and verify work
-    speculation: tuple[SpeculationAt, ...]  # by running batch size
-    num_reused: int = 0  # requests that reused stored KV (as ``profiler.serve_summary`` counts them live)
-    best_fixed: bool = False  # the best fixed policy at its load (``mark_best_fixed``)
-    arrivals_span_s: float = 0.0  # first arrival to last: at a rate, the same for every policy
-
-
-def summarize_load(load: str, policy: str, runs: Sequence[LoadRun], slo: Slo | None) -> LoadResult:
-    """One policy at one load; ``runs``: one per seed, pooled as if served one after
-    another: percentiles over all their requests, their spans (and their arrivals' spans)
-    summed, and the rates per second over the summed span."""
-    per_run = [run.times() for run in runs]
-    times = [t for found in per_run for t in found]
-    stats = load_latencies(times)
-    span_s = sum(map(span_of, per_run))
-    steps = [step for run in runs for step in run.steps]
-    speculation = speculation_by_batch(steps)
-    num_rounds = sum(at.num_rounds for at in speculation)
-    good, good_per_s = goodput(times, slo, span_s)
-    return LoadResult(
-        load, policy, len(times), len(steps), span_s, stats.num_output_tokens,
-        stats.num_output_tokens / span_s if span_s > 0 else 0.0,
-        stats.ttft, stats.itl, stats.e2e, None if good is None else slo.describe(), good,
-        good_per_s,
-        sum(at.num_speculating for at in speculation) / num_rounds if num_rounds else 0.0, speculation,
-        sum(r.num_reused_tokens > 0 for run in runs for r in run.requests),
-        arrivals_span_s=sum(max(a for a, *_ in found) - min(a for a, *_ in found) for found in per_run))
-
-
-def _score(result: LoadResult) -> tuple[float, ...]:
-    if result.goodput_per_s is None:
-        return (result.output_tok_per_s,)
-    return result.goodput_per_s, result.output_tok_per_s
-
-
-def mark_best_fixed(results: list[LoadResult]) -> list[LoadResult]:
-    """``results`` with, per load, the fixed policy of the highest goodput (then tok/s;
-    tok/s alone without an SLO) marked; the first listed wins a tie."""
-    best: dict[str, LoadResult] = {}
-    for r in results:
-        if r.policy in FIXED and (r.load not in best or _score(r) > _score(best[r.load])):
-            best[r.load] = r
-    return [replace(r, best_fixed=True) if best.get(r.load) is r else r for r in results]
-
-
-@dataclass(frozen=True)
-class Shortfall:
-    """A load where an adaptive policy kept fewer requests within the SLO than ``kv-only``."""
-
-    load: str
-    num_meeting_slo: int
-    kv_only_meeting_slo: int
-    num_requests: int
-
-
-@dataclass(frozen=True)
-class SweepSummary:
-    """Goodput summed over a sweep's loads (req/s), per policy in the order replayed."""
-
-    num_loads: int
-    goodput_per_s: dict[str, float]
-    best_fixed: str  # the fixed policy of the highest sum
-    envelope_per_s: float  # at each load the best policy's goodput, in hindsight, summed
-    below_kv_only: dict[str, tuple[Shortfall, ...]]  # per adaptive policy, the loads where it met the SLO less often
-    references_per_s: dict[str, float]  # per reference replayed (``REFERENCES``), as ``goodput_per_s``
-    # every request of every load within the SLO over its arrivals' span, summed: above any
-    # policy's sum; None where a load is a closed loop (its arrivals follow the policy)
-    ceiling_per_s: float | None
-
-    def over_best_fixed(self, goodput_per_s: float) -> float:
-        return goodput_per_s / self.goodput_per_s[self.best_fixed] - 1.0
-
-    def shares_of(self, reference_per_s: float, names: list[str]) -> list[tuple[str, float]]:
-        """Per policy of ``names``, the share of a reference's gain over the best fixed
-        policy that it reaches; none where the reference gains nothing."""
-        gain = reference_per_s - self.goodput_per_s[self.best_fixed]
-        if gain <= 0:
-            return []
-        return [(name, (self.goodput_per_s[name] - self.goodput_per_s[self.best_fixed]) / gain) for name in names]
-
-
-def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
-    """The sweep's summary; None for one load, without an SLO or without a fixed policy."""
-    loads = list(dict.fromkeys(r.load for r in results))
-    if len(loads) < 2 or any(r.goodput_per_s is None for r in results):
-        return None
-    totals: dict[str, float] = defaultdict(float)
-    best_at: dict[str, float] = defaultdict(float)
-    ceiling_at: dict[str, float] = {}
-    for r in results:
-        totals[r.policy] += r.goodput_per_s
-        if r.policy not in REFERENCES:
-            best_at[r.load] = max(best_at[r.load], r.goodput_per_s)
-        if r.arrivals_span_s > 0:
-            ceiling_at[r.load] = r.num_requests / r.arrivals_span_s
-    open_loops = all(load.startswith("rate=") for load in loads) and len(ceiling_at) == len(loads)
-    fixed = [name for name in totals if name in FIXED]
-    if not fixed:
-        return None
-    kv_only = {r.load: r.num_meeting_slo for r in results if r.policy == "kv-only"}
-    below: dict[str, list[Shortfall]] = defaultdict(list)
-    for r in results:
-        if r.policy not in FIXED | REFERENCES and r.load in kv_only and r.num_meeting_slo < kv_only[r.load]:
-            below[r.policy].append(Shortfall(r.load, r.num_meeting_slo, kv_only[r.load], r.num_requests))
-    references = {name: totals.pop(name) for name in list(totals) if name in REFERENCES}
-    return SweepSummary(len(loads), dict(totals), max(fixed, key=totals.__getitem__), sum(best_at.values()),
-                        {name: tuple(found) for name, found in below.items()}, references,
-                        sum(ceiling_at.values()) if open_loops else None)
-
-
-def summary_lines(summary: SweepSummary) -> list[str]:
-    best = summary.best_fixed
-    adaptive = [name for name in summary.goodput_per_s if name not in FIXED]
-    over = "".join(f"; {name} {summary.goodput_per_s[name]:.3f} "
-                   f"({100 * summary.over_best_fixed(summary.goodput_per_s[name]):+.1f} %)" for name in adaptive)
-    envelope = summary.envelope_per_s
-    lines = [f"Over the sweep, goodput summed over its {summary.num_loads} loads (req/s): the best single fixed "
-             f"policy {best} {summary.goodput_per_s[best]:.3f}{over}; the best of the policies replayed at each "
-             f"load, in hindsight, {envelope:.3f} ({100 * summary.over_best_fixed(envelope):+.1f} %)"]
-    if "kv-only" in summary.goodput_per_s and adaptive:
-        below = "; ".join(f"{name} at " + ", ".join(f"{s.load} ({s.num_meeting_slo} of {s.num_requests} against "
-                                                    f"{s.kv_only_meeting_slo})" for s in summary.below_kv_only[name])
-                          for name in adaptive if summary.below_kv_only.get(name))
-        lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
-    over = summary.over_best_fixed
-    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %"
-                  + "".join(f"; {a} {100 * s:.0f} % of its gain" for a, s in summary.shares_of(per_s, adaptive))
-                  + ")" for name, per_s in summary.references_per_s.items()]
-    if summary.ceiling_per_s is not None:
-        references.append(f"every request within the SLO, each load's requests over its arrivals' span (no policy "
-                          f"passes it) {summary.ceiling_per_s:.3f} ({100 * over(summary.ceiling_per_s):+.1f} %)")
-    if references:
-        lines.append(f"References, not policies: {'; '.join(references)}")
-    return lines
 
 
 def progress_bar(total: int, desc: str, unit: str = "req", num_requests: int | None = None):

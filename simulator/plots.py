@@ -88,7 +88,7 @@ def write_plots(directory: Path, results: dict, timing: Timing, trace: Trace) ->
 
 
 def write_load_plots(directory: Path, results: list, title: str, capacities: list = ()) -> list[Path]:
-    """``results``: ``simulator.load_replay.LoadResult``s; ``capacities``:
+    """``results``: ``simulator.load_result.LoadResult``s; ``capacities``:
     ``simulator.capacity.Capacity``s, plotted on the attainment curves where given."""
     import matplotlib
     matplotlib.use("Agg")
@@ -131,7 +131,7 @@ def write_load_plots(directory: Path, results: list, title: str, capacities: lis
 
 def pooled_shares(parts) -> list[tuple[int, float]]:
     """(batch size, share of rounds speculating) over several loads' ``SpeculationAt``s
-    (``simulator.load_replay``), added up per batch size, smallest first."""
+    (``simulator.load_result``), added up per batch size, smallest first."""
     counts: dict[int, list[int]] = defaultdict(lambda: [0, 0])
     for part in parts:
         for at in part:

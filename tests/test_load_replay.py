@@ -19,8 +19,9 @@ from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from rakv.settings import Settings, override
 from simulator import serve_validate
-from simulator.load_replay import (PROGRESS_MIN_REQUESTS, LoadResult, Shortfall, mark_best_fixed, progress_bar,
-                                   speculation_by_batch, summarize_load, summary_lines, sweep_summary)
+from simulator.load_replay import PROGRESS_MIN_REQUESTS, progress_bar
+from simulator.load_result import LoadResult, speculation_by_batch, summarize_load
+from simulator.sweep_summary import Shortfall, mark_best_fixed, summary_lines, sweep_summary
 from simulator.replay import main as replay_main
 from simulator.serve_sim import LoadRun, TimedRequest
 from simulator.trace import load_trace
