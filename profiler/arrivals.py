@@ -52,11 +52,14 @@ def parse_loads(text: str, what: str, integer: bool) -> tuple[float, ...]:
 
 
 def parse_seeds(text: str, what: str) -> tuple[int, ...]:
-    """``0,1,2`` as distinct integers; ValueError naming the option otherwise."""
+    """``0,1,2`` as distinct non-negative integers (numpy's seeds); ValueError naming the
+    option otherwise."""
     try:
         seeds = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"{what} takes integers, comma-separated (e.g. 0,1,2), got {text!r}") from None
+        seeds = (-1,)
+    if min(seeds) < 0:
+        raise ValueError(f"{what} takes non-negative integers, comma-separated (e.g. 0,1,2), got {text!r}")
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"{what} lists a seed twice: {text!r}")
     return seeds

@@ -218,7 +218,8 @@ def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     (TRACES / "smollm2-chat", ["--concurrency", "1,2"], "--concurrency needs a serving trace"),
     (TRACES / "smollm2-chat", ["--slo", "ttft=1"], "--slo needs a serving trace"),
     (TRACES / "smollm2-chat", ["--arrival-rate", "1,2"], "a sweep of --arrival-rate values needs a serving trace"),
-    (SERVING, ["--seed", "0,one"], "--seed takes integers, comma-separated (e.g. 0,1,2), got '0,one'"),
+    (SERVING, ["--seed", "0,one"], "--seed takes non-negative integers, comma-separated (e.g. 0,1,2), got '0,one'"),
+    (SERVING, ["--seed=-1,2"], "--seed takes non-negative integers, comma-separated (e.g. 0,1,2), got '-1,2'"),
     (SERVING, ["--seed", "1,2,1"], "--seed lists a seed twice: '1,2,1'"),
     (TRACES / "smollm2-chat", ["--seed", "0,1"], "several --seed values pool loads under load; at batch 1 give one"),
 ])
