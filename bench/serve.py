@@ -40,7 +40,7 @@ from bench.serve_client import (RunResult, ServeError, Server, make_client, reso
                                 warm_up)
 from bench.serve_stats import RunSummary, Slo, count_differences, parse_slo, summarize
 from bench.serve_workload import SHIPPED, Prompt, WorkloadFileError, load_prompts
-from profiler.arrivals import arrivals_s, loads_type
+from profiler.arrivals import arrivals_s, loads_type, seed_type
 from rakv.cli import run_cli
 
 LLAMA_NAME = "llama.cpp"
@@ -184,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
                       help="the first N prompts (default: the workload's own size; general has 25)")
     work.add_argument("--max-tokens", type=_positive_int, default=64,
                       help="max_tokens of each request, unless its JSONL line says (default: 64)")
-    work.add_argument("--seed", type=int, default=0,
+    work.add_argument("--seed", type=seed_type, default=0,
                       help="the seed of the arrival times and of a sampled workload's choice (default: 0)")
     load = p.add_argument_group("load (one of)").add_mutually_exclusive_group()
     load.add_argument("--request-rate", type=loads_type("--request-rate", False), default=(math.inf,),

@@ -22,6 +22,7 @@ import tracemalloc
 
 import numpy as np
 
+from profiler.arrivals import seed_type
 from rakv.sequence_index import SequenceIndex
 from rakv.store_model import ModelSizes, StoreConfig, StoreModel
 from rakv.suffix_drafter import SuffixConfig, SuffixDrafter
@@ -78,7 +79,7 @@ def parse_args(argv):
     p.add_argument("--stored", default="100,1000,10000", help="stored request counts (default: 100,1000,10000)")
     p.add_argument("--tokens", type=int, default=256, help="tokens per request (default: 256)")
     p.add_argument("--queries", type=int, default=20, help="requests decoded against each store (default: 20)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     return p.parse_args(argv)
 
 

@@ -37,7 +37,7 @@ from policy.evaluate import evaluate_trace, service_tokens_per_s, session_of, sh
 from policy.load_sweep import LoadSweep, SweepConfig
 from policy.round_data import (DrafterRows, collect, draft_acceptance, first_target, further_target, split_families,
                                token_prior)
-from profiler.arrivals import parse_loads, parse_seeds
+from profiler.arrivals import parse_loads, parse_seeds, seed_type
 from profiler.schema import SCHEMA_VERSION, TraceError
 from profiler.serve_summary import slo_option
 from rakv.cli import run_cli
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=30, help="trials the study runs to, in all (default: 30)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default: sqlite:///<out>.optuna.db)")
     p.add_argument("--study", default=None, help="study name (default: the --out directory's name)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split, the trees and the sampler (default: 0)")
+    p.add_argument("--seed", type=seed_type, default=0, help="seed of the split, the trees and the sampler (default: 0)")
     p.add_argument("--worker", type=int, default=0, help="this worker's number: its sampler seed is seed + worker")
     p.add_argument("--no-export", action="store_true", help="tune only (a worker beside another that exports)")
     load = p.add_argument_group("under load (serving traces: profiler.record --grid serving --serve-rate)")

@@ -65,6 +65,16 @@ def parse_seeds(text: str, what: str) -> tuple[int, ...]:
     return seeds
 
 
+def seed_type(text: str) -> int:
+    """argparse's ``type`` for one seed: a non-negative integer (``parse_seeds``)."""
+    import argparse
+    try:
+        (seed,) = parse_seeds(text, "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    return seed
+
+
 def arrivals_s(count: int, rate_per_s: float, seed: int) -> tuple[float, ...]:
     """Poisson arrival times: the first at 0, then exponential gaps of mean ``1 / rate``
     from the seed's arrival stream; ``inf``: all at 0. Every rate draws the same standard

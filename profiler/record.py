@@ -45,7 +45,7 @@ from typing import Callable
 
 import numpy as np
 
-from profiler.arrivals import loads_type, resample_families
+from profiler.arrivals import loads_type, resample_families, seed_type
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import MachineSpeed, NoiseGuard, forward_probe
 from profiler.run_record import passes_at, record_runs, run_policies
@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="float32, float16, bfloat16, float64 (default: the pair's)")
     p.add_argument("--max-context", type=int, default=None, help="cap on positions below the model's maximum")
     add_precision_arguments(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_type, default=0)
     p.add_argument("--flush-rows", type=int, default=16, help="rows per flushed part file (default: 16)")
     return p.parse_args(argv)
 

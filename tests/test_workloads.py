@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from profiler import workloads as W
-from profiler.arrivals import poisson_arrivals_s
+from profiler.arrivals import parse_seeds, poisson_arrivals_s, seed_type
 from profiler.sharegpt import _TruncatedJsonArray
 from profiler.sql_texts import SQL_SYSTEM
 from profiler.workloads import CODE_HEADERS, Workload, WorkloadError, WorkloadRequest, load_workload
@@ -243,6 +243,20 @@ def test_poisson_arrivals():
         load_workload("fixture-chat", rate_per_s=0.0)
     with pytest.raises(ValueError, match="rate_per_s must be"):
         poisson_arrivals_s(3, float("inf"), W.arrival_rng(0))
+
+
+def test_seeds_are_non_negative_integers_named_by_their_option():
+    """numpy takes no negative seed: each option that takes seeds says so itself."""
+    import argparse
+    assert parse_seeds("0,2,1", "--seed") == (0, 2, 1) and seed_type("7") == 7
+    for bad in ("-1", "0,x", ""):
+        with pytest.raises(ValueError, match=f"^--seed takes non-negative integers, comma-separated .*got '{bad}'$"):
+            parse_seeds(bad, "--seed")
+    with pytest.raises(ValueError, match="^--serve-seeds lists a seed twice"):
+        parse_seeds("1,1", "--serve-seeds")
+    for bad in ("-1", "0,1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a non-negative integer"):
+            seed_type(bad)
 
 
 # --- errors ---------------------------------------------------------------------------------
