@@ -54,12 +54,13 @@ def parse_loads(text: str, what: str, integer: bool) -> tuple[float, ...]:
 def parse_seeds(text: str, what: str) -> tuple[int, ...]:
     """``0,1,2`` as distinct non-negative integers (numpy's seeds); ValueError naming the
     option otherwise."""
+    wrong = ValueError(f"{what} takes non-negative integers, comma-separated (e.g. 0,1,2), got {text!r}")
     try:
         seeds = tuple(int(part) for part in text.split(","))
     except ValueError:
-        seeds = (-1,)
+        raise wrong from None
     if min(seeds) < 0:
-        raise ValueError(f"{what} takes non-negative integers, comma-separated (e.g. 0,1,2), got {text!r}")
+        raise wrong
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"{what} lists a seed twice: {text!r}")
     return seeds
