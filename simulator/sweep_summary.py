@@ -70,8 +70,11 @@ class SweepSummary:
     # policy's sum; None where a load is a closed loop (its arrivals follow the policy)
     ceiling_per_s: float | None
 
-    def over_best_fixed(self, goodput_per_s: float) -> float:
-        return goodput_per_s / self.goodput_per_s[self.best_fixed] - 1.0
+    def over_best_fixed(self, goodput_per_s: float) -> float | None:
+        """The margin over the best single fixed policy's sum; None where no fixed policy
+        kept a request within the SLO."""
+        best = self.goodput_per_s[self.best_fixed]
+        return goodput_per_s / best - 1.0 if best > 0 else None
 
     def shares_of(self, reference_per_s: float, names: list[str]) -> list[tuple[str, float]]:
         """Per policy of ``names``, the share of a reference's gain over the best fixed
@@ -114,24 +117,27 @@ def sweep_summary(results: list[LoadResult]) -> SweepSummary | None:
 def summary_lines(summary: SweepSummary) -> list[str]:
     best = summary.best_fixed
     adaptive = [name for name in summary.goodput_per_s if name not in FIXED]
-    over = "".join(f"; {name} {summary.goodput_per_s[name]:.3f} "
-                   f"({100 * summary.over_best_fixed(summary.goodput_per_s[name]):+.1f} %)" for name in adaptive)
+
+    def over(per_s: float) -> str:
+        margin = summary.over_best_fixed(per_s)
+        return "no fixed policy within the SLO" if margin is None else f"{100 * margin:+.1f} %"
+    policies = "".join(f"; {name} {summary.goodput_per_s[name]:.3f} ({over(summary.goodput_per_s[name])})"
+                       for name in adaptive)
     envelope = summary.envelope_per_s
     lines = [f"Over the sweep, goodput summed over its {summary.num_loads} loads (req/s): the best single fixed "
-             f"policy {best} {summary.goodput_per_s[best]:.3f}{over}; the best of the policies replayed at each "
-             f"load, in hindsight, {envelope:.3f} ({100 * summary.over_best_fixed(envelope):+.1f} %)"]
+             f"policy {best} {summary.goodput_per_s[best]:.3f}{policies}; the best of the policies replayed at "
+             f"each load, in hindsight, {envelope:.3f} ({over(envelope)})"]
     if "kv-only" in summary.goodput_per_s and adaptive:
         below = "; ".join(f"{name} at " + ", ".join(f"{s.load} ({s.num_meeting_slo} of {s.num_requests} against "
                                                     f"{s.kv_only_meeting_slo})" for s in summary.below_kv_only[name])
                           for name in adaptive if summary.below_kv_only.get(name))
         lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
-    over = summary.over_best_fixed
-    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({100 * over(per_s):+.1f} %"
+    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({over(per_s)}"
                   + "".join(f"; {a} {100 * s:.0f} % of its gain" for a, s in summary.shares_of(per_s, adaptive))
                   + ")" for name, per_s in summary.references_per_s.items()]
     if summary.ceiling_per_s is not None:
         references.append(f"every request within the SLO, each load's requests over its arrivals' span (no policy "
-                          f"passes it) {summary.ceiling_per_s:.3f} ({100 * over(summary.ceiling_per_s):+.1f} %)")
+                          f"passes it) {summary.ceiling_per_s:.3f} ({over(summary.ceiling_per_s)})")
     if references:
         lines.append(f"References, not policies: {'; '.join(references)}")
     return lines

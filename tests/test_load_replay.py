@@ -169,6 +169,9 @@ def test_a_sweep_is_summed_against_the_best_single_fixed_policy():
     assert lines[1].endswith("rakv at rate=1 (9 of 30 against 10)")
     assert sweep_summary(results[:4]) is None  # one load
     assert sweep_summary([replace(r, goodput_per_s=None) for r in results]) is None  # no SLO
+    none_fixed = sweep_summary([r if r.policy == "rakv" else replace(r, goodput_per_s=0.0) for r in results])
+    assert none_fixed.over_best_fixed(3.3) is None  # no margin over nothing, and no division by it
+    assert "rakv 3.300 (no fixed policy within the SLO)" in summary_lines(none_fixed)[0]
 
 
 def test_a_sweep_lists_its_references_apart_from_the_policies():
