@@ -9,7 +9,7 @@ Reported (``Evaluation``):
   today's settings (a learned policy under its own controller settings);
 - ``headroom_captured`` = (learned - rakv) / (round-oracle - rakv), and
   ``causal_headroom_captured`` = (learned - rakv) / (causal bound - rakv), the causal
-  bound (``policy.causal_bound``) being ``rakv`` with the stop rule and threshold that do
+  bound (``simulator.causal_bound``) being ``rakv`` with the stop rule and threshold that do
   best on these very requests, a reference a planner without foresight can reach;
 - per drafter, the AUC and Brier score of the m >= 1 prediction at the round starts of
   those requests, beside the same for the request's EWMA estimate (``ewma_auc``);
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from policy.causal_bound import CausalBound, causal_bound
 from policy.paper_actions import PaperMetrics, paper_metrics
 from policy.round_data import collect, first_target
 from profiler.schema import TraceError
@@ -39,6 +38,7 @@ from rakv.cli import run_cli
 from rakv.learned import LearnedPolicy, PolicyFile, PolicyFileError, load_policy
 from rakv.learned_rounds import ROUND_FEATURES
 from rakv.settings import DecisionInputs, Settings
+from simulator.causal_bound import CausalBound, causal_bound
 from simulator.costs import CostModelError
 from simulator.replay import make_session, simulate
 from simulator.schedule import schedule
@@ -131,11 +131,11 @@ def evaluate_trace(policy_file: PolicyFile, trace: Trace, timing: Timing, famili
              for name in CHOOSERS}
     causal = causal_bound(lambda settings: service_tokens_per_s(
         held_out, timing, session_of("rakv", None, held_out, timing, timing.decision_inputs(held_out, settings))),
-        base_rate=rates["rakv"])  # rakv under today's settings, replayed above
+        base_score=rates["rakv"])  # rakv under today's settings, replayed above
     paper = paper_metrics(held_out, timing, inputs) if inputs.draft_sizes is not None else None
     return Evaluation(trace.path.name, len(held_out.requests), rates,
                       captured(rates["learned"], rates["rakv"], rates["round-oracle"]), causal,
-                      captured(rates["learned"], rates["rakv"], causal.tokens_per_s),
+                      captured(rates["learned"], rates["rakv"], causal.score),
                       predictions(policy_file, held_out, inputs), paper)
 
 
@@ -162,8 +162,8 @@ def markdown(e: Evaluation) -> str:
     lines += [f"| {name} | {rate:.2f} | {rate / e.tokens_per_s['rakv'] - 1:+.1%} |"
               for name, rate in e.tokens_per_s.items()]
     tuned = ", ".join(e.causal.assignments) or "today's settings"
-    lines += [f"| causal bound: rakv tuned in hindsight ({tuned}) | {e.causal.tokens_per_s:.2f} | "
-              f"{e.causal.tokens_per_s / e.tokens_per_s['rakv'] - 1:+.1%} |"]
+    lines += [f"| causal bound: rakv tuned in hindsight ({tuned}) | {e.causal.score:.2f} | "
+              f"{e.causal.score / e.tokens_per_s['rakv'] - 1:+.1%} |"]
     lines += ["", f"headroom captured: {share(e.headroom_captured)} of the round oracle's, "
               f"{share(e.causal_headroom_captured)} of the causal bound's ({e.causal.num_tried} settings tried)", "",
               "| drafter | rows | AUC m>=1 | Brier | EWMA AUC | EWMA Brier |", "|---|---|---|---|---|---|"]

@@ -387,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
             rates = e["tokens_per_s"]
             print(f"wrote {args.out}: {e['trace']} test families ({e['num_requests']} requests): learned "
                   f"{rates['learned']:.2f} tok/s, rakv {rates['rakv']:.2f}, round oracle {rates['round-oracle']:.2f}, "
-                  f"causal bound {e['causal']['tokens_per_s']:.2f}; headroom captured "
+                  f"causal bound {e['causal']['score']:.2f}; headroom captured "
                   f"{share(e['headroom_captured'])} (causal: {share(e['causal_headroom_captured'])})", file=sys.stderr)
         for e in report["under_load"]:
             goodput = e["goodput_per_s"]

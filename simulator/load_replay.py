@@ -26,6 +26,9 @@ modelled clock (``simulator.serve_sim.run_load``), each step priced by
 - With an attainment goal (``--attainment``), each policy's capacity: the highest rate at
   which it keeps that share of its requests within the SLO (``simulator.capacity``),
   bisected by further replays between the sweep's rates.
+- Two references may stand beside the policies: ``foresight`` (``simulator.foresight``)
+  and ``causal-bound`` (``simulator.causal_bound``: ``rakv`` under the settings of
+  ``LOAD_GRID`` that serve the sweep best, found by replaying it under each first).
 
 Invariants: a result is a function of the trace, the settings, the batching limits, the
 loads, the requests and the seeds (every load starts from an empty store and a fresh
@@ -42,7 +45,10 @@ from typing import Sequence
 from profiler.arrivals import parse_loads
 from profiler.serve_record import Load, loads_of
 from profiler.serve_summary import Slo, num_meeting_slo, slo_option
-from rakv.settings import DecisionInputs
+from rakv.controller import ControllerConfig, CostModelPolicy
+from rakv.settings import DecisionInputs, Settings
+from simulator.causal_bound import (LOAD_GRID, MEANING as CAUSAL_MEANING, NAME as CAUSAL, CausalBound, causal_bound,
+                                   num_settings, tuned)
 from simulator.capacity import Capacity, attainment_goals, capacity_lines, check_attainment, sweep_capacities
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT, ForesightPolicy
 from simulator.load_result import LoadResult, summarize_load
@@ -66,17 +72,19 @@ def progress_bar(total: int, desc: str, unit: str = "req", num_requests: int | N
 
 
 def replay_loads(servings: Sequence[ServingReplay], costs: StepCosts, names: list[str], loads: list[Load],
-                 slo: Slo | None = None, speeds: dict[tuple[str, str], float] | None = None) -> list[LoadResult]:
+                 slo: Slo | None = None, speeds: dict[tuple[str, str], float] | None = None,
+                 causal: ControllerConfig | None = None, progress: bool = True) -> list[LoadResult]:
     """Every named policy at every load, in that order (load by load), under each of
-    ``servings`` (one per seed), pooled (``summarize_load``); ``foresight`` under the
-    replay's controller settings, as ``rakv``. ``speeds``: per recorded (load, policy), the
-    machine's speed as it ran (``step_costs.load_speeds``), which prices its replay as
-    ``serve_validate`` prices it; any other at the usual speed. A progress bar for long work."""
-    bar = progress_bar(len(loads) * len(names) * sum(len(serving.requests) for serving in servings), "replay")
+    ``servings`` (one per seed), pooled (``summarize_load``); the references as ``fresh``
+    makes them. ``speeds``: per recorded (load, policy), the machine's speed as it ran
+    (``step_costs.load_speeds``), which prices its replay as ``serve_validate`` prices it;
+    any other at the usual speed. A progress bar for long work, unless not ``progress``."""
+    total = len(loads) * len(names) * sum(len(serving.requests) for serving in servings)
+    bar = progress_bar(total, "replay") if progress else None
 
     def run(load: Load, name: str, serving: ServingReplay) -> LoadRun:
         speed = (speeds or {}).get((load.label, name), 1.0)
-        found = serving.run(load, fresh(serving, name), replace(costs, speed=speed))
+        found = serving.run(load, fresh(serving, name, causal), replace(costs, speed=speed))
         if bar is not None:
             bar.update(len(found.requests))
         return found
@@ -87,14 +95,45 @@ def replay_loads(servings: Sequence[ServingReplay], costs: StepCosts, names: lis
     return mark_best_fixed(results)
 
 
-def fresh(serving: ServingReplay, name: str):
-    """A policy's name, or for ``foresight`` a fresh reference under the replay's
-    controller settings, as ``rakv``'s (one per load)."""
-    return ForesightPolicy(serving.inputs.timings, serving.inputs.controller) if name == FORESIGHT else name
+def fresh(serving: ServingReplay, name: str, causal: ControllerConfig | None = None):
+    """A policy's name, or a fresh reference (one per load): ``foresight`` under the
+    replay's controller settings, as ``rakv``'s; the causal bound ``rakv``'s policy under
+    ``causal``, its tuned controller settings."""
+    if name == FORESIGHT:
+        return ForesightPolicy(serving.inputs.timings, serving.inputs.controller)
+    if name == CAUSAL:
+        if causal is None:
+            raise ValueError(f"{CAUSAL} needs its tuned settings (tune_causal)")
+        return CostModelPolicy(serving.inputs.timings, causal, name=CAUSAL)
+    return name
+
+
+def sweep_score(results: list[LoadResult]) -> float:
+    """What the causal bound is tuned by: goodput summed over the loads (output tok/s
+    without an SLO)."""
+    return sum(r.output_tok_per_s if r.goodput_per_s is None else r.goodput_per_s for r in results)
+
+
+def tune_causal(servings: Sequence[ServingReplay], costs: StepCosts, loads: list[Load], slo: Slo | None,
+                inputs: DecisionInputs, speeds: dict[tuple[str, str], float] | None = None) -> CausalBound:
+    """The causal bound under load (``simulator.causal_bound``): ``rakv``'s policy under
+    the replay's settings and under each of ``LOAD_GRID``'s, every load replayed under each
+    of ``servings``, pooled, scored by ``sweep_score``. A progress bar for long work."""
+    total = num_settings(LOAD_GRID)
+    bar = progress_bar(total, "causal bound", "setting", total * len(loads) * sum(len(s.requests) for s in servings))
+
+    def score_under(settings: Settings) -> float:
+        return sweep_score(replay_loads(servings, costs, [CAUSAL], loads, slo, speeds, settings.controller,
+                                        progress=False))
+    found = causal_bound(score_under, Settings(inputs.engine, inputs.controller), grid=LOAD_GRID,
+                         done=None if bar is None else bar.update)
+    if bar is not None:
+        bar.close()
+    return found
 
 
 def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: list[LoadResult], slo: Slo,
-               goals: Sequence[float]) -> list[Capacity]:
+               goals: Sequence[float], causal: ControllerConfig | None = None) -> list[Capacity]:
     """Each policy's capacity at each of ``goals`` (``simulator.capacity``), goal by goal,
     bisected by replaying it at rates between the sweep's, under each of ``servings``,
     pooled."""
@@ -103,7 +142,7 @@ def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: lis
                        len(results) * sum(len(serving.requests) for serving in servings))
 
     def attainment_at(name: str, rate_per_s: float) -> float:
-        runs = [serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name), costs) for serving in servings]
+        runs = [serving.run(Load(rate_per_s=rate_per_s), fresh(serving, name, causal), costs) for serving in servings]
         return sum(num_meeting_slo(run.times(), slo) for run in runs) / sum(len(run.requests) for run in runs)
     found = [capacity for goal in goals
              for capacity in sweep_capacities(results, goal, attainment_at, done=None if bar is None else bar.update)]
@@ -130,7 +169,7 @@ def loads_given(trace: Trace, concurrency: str | None, rates: str | None) -> lis
                     parse_loads(rates, "--arrival-rate", False) if rates is not None else ())
 
 
-def markdown(results: list[LoadResult], title: str) -> str:
+def markdown(results: list[LoadResult], title: str, bound: CausalBound | None = None) -> str:
     with_slo = any(r.goodput_per_s is not None for r in results)
     lines = [title, "",
              "| load | policy | TTFT p50 / p90 / p99 (s) | ITL p50 / p90 (s) | e2e p50 / p99 (s) | tok/s "
@@ -150,9 +189,14 @@ def markdown(results: list[LoadResult], title: str) -> str:
         lines.append(f"* the best fixed policy at its load by {f'goodput ({slo})' if slo else 'output tok/s'}")
     lines.append("share speculating: of the rounds (decode and verify works), those with k > 0; by batch size: "
                  "the same by the number of rounds in their step")
-    if any(r.policy in REFERENCES for r in results):
+    if any(r.policy == FORESIGHT for r in results):
         lines.append(f"{FORESIGHT}: {FORESIGHT_MEANING} (simulator.foresight), a reference, not a policy an "
                      f"engine can run")
+    if bound is not None:
+        settings = ", ".join(bound.assignments) or "the replay's own"
+        lines.append(f"{CAUSAL}: {CAUSAL_MEANING} ({settings}, the best of {bound.num_tried} settings by the "
+                     f"goodput summed over the loads; simulator.causal_bound), a reference for planners that "
+                     f"cannot see a round's outcome")
     summary = sweep_summary(results)
     if summary is not None:
         lines += [""] + summary_lines(summary)
@@ -190,17 +234,21 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
                                                args.attainment))
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
     costs = fit_serving_costs(trace, steps)
-    results = replay_loads(servings, costs, names, loads, slo, load_speeds(steps) if recorded else {})
-    found = capacities(servings, costs, results, slo, goals) if goals else []
+    speeds = load_speeds(steps) if recorded else {}
+    bound = tune_causal(servings, costs, loads, slo, inputs, speeds) if CAUSAL in names else None
+    causal = None if bound is None else tuned(Settings(inputs.engine, inputs.controller), bound.assignments).controller
+    results = replay_loads(servings, costs, names, loads, slo, speeds, causal)
+    found = capacities(servings, costs, results, slo, goals, causal) if goals else []
     if args.json:
-        for r in results + found:
+        for r in results + found + ([bound] if bound is not None else []):
             print(json.dumps(asdict(r)))
     else:
         serving, batch = servings[0], servings[0].batch
         print(markdown(results, f"{title}\n{_requests_line(servings)}, up to {serving.max_new} new tokens "
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
                                 f"{batch.max_num_batched_tokens}; ITL target {_seconds(batch.itl_target_s)}; "
-                                f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid"))
+                                f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid",
+                       bound))
         if found:
             print("\n".join([""] + capacity_lines(found, FIXED, REFERENCES)))
     if args.plot is not None:

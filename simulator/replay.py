@@ -19,7 +19,8 @@ On a serving trace (batched forwards in its ops, or recorded steps) the replay s
 through the batching engine's replay instead (``simulator.load_replay``): ``--concurrency``
 closed loops and ``--arrival-rate`` open loops (comma lists: a sweep; default: the loads the
 trace recorded), one row per load and policy; the oracles are batch-1 only, and under load
-``simulator.foresight`` stands beside the policies as a reference (in ``all``).
+``simulator.foresight`` stands beside the policies as a reference (in ``all``), and so may
+``simulator.causal_bound`` (named: it replays ``rakv`` under each of its settings first).
 
 A replay decides with today's engine settings over the trace's facts (tokens, run
 lengths, probabilities, op timings, calibration, model sizes), unless ``--as-recorded``;
@@ -45,6 +46,7 @@ from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
 from rakv.policies import LEARNED, check_policy, shipped_policy
 from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
+from simulator.causal_bound import LOAD_GRID, MEANING as CAUSAL_MEANING, NAME as CAUSAL, num_settings
 from simulator.costs import CostModelError, request_cost
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
 from simulator.load_replay import has_serving_grid, progress_bar, serve_loads
@@ -53,6 +55,7 @@ from simulator.round_oracle import NAME as ROUND_ORACLE, RoundOracle
 from simulator.schedule import Arrival, ScheduleError, schedule
 from simulator.serve_validate import check_targets
 from simulator.session import Session, SessionError, trace_policy
+from simulator.sweep_summary import REFERENCES
 from simulator.timing import Timing, load_timing
 from simulator.trace import Trace, load_trace, under_ngram
 
@@ -158,7 +161,7 @@ def policy_names(spec: str, trace: Trace, inputs: DecisionInputs) -> list[str]:
         return list(fixed_policy_names(inputs.draft_sizes is not None)) + [ADAPTIVE_NAME] + shipped + list(ORACLES)
     names = [n.strip() for n in spec.split(",") if n.strip()]
     for name in names:
-        if name not in ORACLES and name != FORESIGHT:
+        if name not in ORACLES and name not in REFERENCES:
             check_policy(name, pair, inputs.draft_sizes is not None)  # the one-line error naming the choices
     return names
 
@@ -237,8 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policy", default="all",
                    help=f"all (default; under load, without the oracles and with foresight), or comma-separated: "
                         f"{FIXED_POLICY_HELP}, oracle, round-oracle (batch 1 only), {FORESIGHT} (under load only: "
-                        f"{FORESIGHT_MEANING}, a reference), "
-                        "learned[=PATH] "
+                        f"{FORESIGHT_MEANING}, a reference), {CAUSAL} (under load only: {CAUSAL_MEANING}: "
+                        f"rakv replayed under {num_settings(LOAD_GRID)} settings first, a reference), learned[=PATH] "
                         "(a policy.train directory; learned alone: the shipped one of the trace's pair)")
     p.add_argument("--strict", action="store_true",
                    help="a learned policy trained for other models is an error, not a fallback to rakv")
@@ -335,8 +338,8 @@ def run_under_load(args: argparse.Namespace, trace: Trace, settings: Settings | 
     names = policy_names(args.policy, trace, inputs)
     oracles = [name for name in names if name in ORACLES]
     if oracles and args.policy != "all":
-        raise ValueError(f"{oracles[0]} replays at batch 1 only; under load give fixed policies, rakv, learned "
-                         f"or {FORESIGHT}")
+        raise ValueError(f"{oracles[0]} replays at batch 1 only; under load give fixed policies, rakv, learned, "
+                         f"{FORESIGHT} or {CAUSAL}")
     names = [name for name in names if name not in ORACLES] + ([FORESIGHT] if args.policy == "all" else [])
     title = f"{args.trace.name} under load\n{settings_line(settings, trace, args.as_recorded)}"
     return serve_loads(args, trace, inputs, names, title)
@@ -365,6 +368,8 @@ def run(args: argparse.Namespace) -> int:
     names = policy_names(args.policy, trace, timing.decision_inputs(trace, settings))
     if FORESIGHT in names:
         raise ValueError(f"{FORESIGHT} replays under load only; at batch 1 the round oracle bounds the planners")
+    if CAUSAL in names:
+        raise ValueError(f"{CAUSAL} replays under load only; at batch 1 policy.evaluate reports the causal bound")
     try:  # one rate: checked by ``schedule``, as before sweeps
         rate = None if rates[0] is None else float(rates[0])
     except ValueError:

@@ -7,9 +7,10 @@ sweep each policy's goodput summed against the best single fixed policy's. Impor
   summed over the loads against the best single fixed policy's, the same sum for the best
   of all the policies at each load chosen in hindsight (the envelope of what was
   replayed), and the loads where an adaptive policy kept fewer requests within the SLO
-  than ``kv-only`` (``Shortfall``). Two references stand apart from the policies:
-  ``foresight`` (``simulator.foresight``: ``rakv`` knowing each round's outcome) where it
-  was replayed, with the share of its gain over the best fixed policy each adaptive
+  than ``kv-only`` (``Shortfall``). References stand apart from the policies:
+  ``foresight`` (``simulator.foresight``: ``rakv`` knowing each round's outcome) and the
+  causal bound (``simulator.causal_bound``: ``rakv`` tuned in hindsight) where they were
+  replayed, each with the share of its gain over the best fixed policy each adaptive
   policy reaches; and, over open loops, the ceiling no policy can pass: every request
   within the SLO, each load's requests over its arrivals' span (a load's span runs from
   its first arrival to its last finish, so it is never shorter).
@@ -23,11 +24,13 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from rakv.choices import fixed_policy_names
+from simulator.causal_bound import MEANING as CAUSAL_MEANING, NAME as CAUSAL
 from simulator.foresight import MEANING as FORESIGHT_MEANING, NAME as FORESIGHT
 from simulator.load_result import LoadResult
 
 FIXED = frozenset(fixed_policy_names(True))
-REFERENCES = frozenset({FORESIGHT})  # replayed beside the policies, never one of them
+MEANINGS = {FORESIGHT: FORESIGHT_MEANING, CAUSAL: CAUSAL_MEANING}  # per reference, as the outputs name it
+REFERENCES = frozenset(MEANINGS)  # replayed beside the policies, never one of them
 
 
 def _score(result: LoadResult) -> tuple[float, ...]:
@@ -132,7 +135,7 @@ def summary_lines(summary: SweepSummary) -> list[str]:
                                                     f"{s.kv_only_meeting_slo})" for s in summary.below_kv_only[name])
                           for name in adaptive if summary.below_kv_only.get(name))
         lines.append(f"Adaptive policies within the SLO less often than kv-only: {below or 'none'}")
-    references = [f"{name} ({FORESIGHT_MEANING}) {per_s:.3f} ({over(per_s)}"
+    references = [f"{name} ({MEANINGS[name]}) {per_s:.3f} ({over(per_s)}"
                   + "".join(f"; {a} {100 * s:.0f} % of its gain" for a, s in summary.shares_of(per_s, adaptive))
                   + ")" for name, per_s in summary.references_per_s.items()]
     if summary.ceiling_per_s is not None:

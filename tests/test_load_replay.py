@@ -19,6 +19,7 @@ from profiler.trace_io import read_table
 from rakv.scheduler import DECODE, PREFILL, VERIFY, Composition
 from rakv.settings import Settings, override
 from simulator import serve_validate
+from simulator.causal_bound import LOAD_GRID, CausalBound, causal_bound, num_settings, tuned
 from simulator.load_replay import PROGRESS_MIN_REQUESTS, progress_bar
 from simulator.load_result import LoadResult, speculation_by_batch, summarize_load
 from simulator.sweep_summary import Shortfall, mark_best_fixed, summary_lines, sweep_summary
@@ -201,6 +202,46 @@ def test_a_sweep_lists_its_references_apart_from_the_policies():
     assert sweep_summary(closed).ceiling_per_s is None  # a closed loop's arrivals follow the policy
 
 
+def test_the_causal_bound_takes_the_best_setting_and_the_first_tried_on_a_tie():
+    """The base first (so the bound is rakv at the least), then the grid in order; the
+    grid's point equal to the base is not scored again."""
+    scored = []
+
+    def score_under(settings: Settings) -> float:
+        scored.append(settings)
+        return {2: 3.5, 8: 3.5, 16: 3.0}[settings.controller.rounds.max_k] + settings.controller.rounds.min_gain
+    grid = {"planner.max_k": (2, 8, 16), "planner.min_gain": (0.0, 0.1)}
+    ticks = []
+    found = causal_bound(score_under, grid=grid, done=lambda: ticks.append(1))
+    assert found == CausalBound(3.6, ("planner.max_k=2", "planner.min_gain=0.1"), 7)  # ties (8, 0.1)
+    assert len(scored) == 6 and len(ticks) == num_settings(grid) == 6  # (16, 0.1) is the base: scored once
+    assert tuned(Settings(), found.assignments).controller.rounds.max_k == 2
+
+
+def test_the_causal_bound_under_load_is_rakv_under_its_tuned_settings(capsys):
+    """``--policy causal-bound`` replays rakv under every setting of ``LOAD_GRID`` and stands
+    beside the policies as rakv under the best: its summed goodput is the bound's score, at
+    least rakv's, and rakv replayed with those settings serves each load as it does."""
+    argv = ["--trace", str(SERVING), "--arrival-rate", "2,6", "--requests", "40", "--slo", "ttft=0.3,itl=0.01"]
+    assert replay_main(argv + ["--policy", "kv-only,rakv,causal-bound", "--json"]) == 0
+    rows = rows_of(capsys)
+    bound = next(r for r in rows if "assignments" in r)
+    assert bound["num_tried"] == 1 + num_settings(LOAD_GRID)
+    by = {(r["load"], r["policy"]): r for r in rows if "load" in r}
+    causal = [by[load, "causal-bound"] for load in ("rate=2", "rate=6")]
+    assert sum(r["goodput_per_s"] for r in causal) == pytest.approx(bound["score"])
+    assert bound["score"] > by["rate=2", "rakv"]["goodput_per_s"] + by["rate=6", "rakv"]["goodput_per_s"]
+    assert bound["assignments"]  # here another setting serves better than the defaults
+    sets = [arg for assignment in bound["assignments"] for arg in ("--set", assignment)]
+    assert replay_main(argv + ["--policy", "rakv", "--json"] + sets) == 0
+    for mine, theirs in zip(rows_of(capsys), causal):
+        assert {k: v for k, v in mine.items() if k != "policy"} == {k: v for k, v in theirs.items() if k != "policy"}
+    assert replay_main(argv + ["--policy", "kv-only,rakv,causal-bound"]) == 0
+    out = capsys.readouterr().out
+    assert f"the best of {bound['num_tried']} settings" in out
+    assert "References, not policies: causal-bound (rakv under the settings that serve this sweep best" in out
+
+
 def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     assert replay_main(["--trace", str(SERVING), "--policy", "all", "--concurrency", "2", "--json"]) == 0
     policies = [r["policy"] for r in rows_of(capsys)]
@@ -212,6 +253,7 @@ def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     (SERVING, ["--policy", "ar,oracle", "--concurrency", "1"], "oracle replays at batch 1 only"),
     (SERVING, ["--policy", "round-oracle"], "round-oracle replays at batch 1 only"),
     (TRACES / "smollm2-chat", ["--policy", "rakv,foresight"], "foresight replays under load only"),
+    (TRACES / "smollm2-chat", ["--policy", "rakv,causal-bound"], "causal-bound replays under load only"),
     (SERVING, ["--slo", "ttft=x"], "--slo: ttft: 'x' is not a number"),
     (SERVING, ["--slo", "tpot=1"], "got 'tpot=1'"),
     (SERVING, ["--concurrency", "2,zero"], "--concurrency: 'zero' is not a number"),
