@@ -115,21 +115,23 @@ def sweep_score(results: list[LoadResult]) -> float:
 
 
 def tune_causal(servings: Sequence[ServingReplay], costs: StepCosts, loads: list[Load], slo: Slo | None,
-                inputs: DecisionInputs, speeds: dict[tuple[str, str], float] | None = None) -> CausalBound:
-    """The causal bound under load (``simulator.causal_bound``): ``rakv``'s policy under
-    the replay's settings and under each of ``LOAD_GRID``'s, every load replayed under each
-    of ``servings``, pooled, scored by ``sweep_score``. A progress bar for long work."""
+                inputs: DecisionInputs, speeds: dict[tuple[str, str], float] | None = None
+                ) -> tuple[CausalBound, ControllerConfig]:
+    """The causal bound under load (``simulator.causal_bound``), and its controller
+    settings: ``rakv``'s policy under the replay's settings and under each of
+    ``LOAD_GRID``'s, every load replayed under each of ``servings``, pooled, scored by
+    ``sweep_score``. A progress bar for long work."""
     total = num_settings(LOAD_GRID)
     bar = progress_bar(total, "causal bound", "setting", total * len(loads) * sum(len(s.requests) for s in servings))
 
     def score_under(settings: Settings) -> float:
         return sweep_score(replay_loads(servings, costs, [CAUSAL], loads, slo, speeds, settings.controller,
                                         progress=False))
-    found = causal_bound(score_under, Settings(inputs.engine, inputs.controller), grid=LOAD_GRID,
-                         done=None if bar is None else bar.update)
+    base = Settings(inputs.engine, inputs.controller)
+    found = causal_bound(score_under, base, grid=LOAD_GRID, done=None if bar is None else bar.update)
     if bar is not None:
         bar.close()
-    return found
+    return found, tuned(base, found.assignments).controller
 
 
 def capacities(servings: Sequence[ServingReplay], costs: StepCosts, results: list[LoadResult], slo: Slo,
@@ -235,8 +237,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     steps = recorded_steps(trace)  # read once: the costs' overheads are fitted on them too
     costs = fit_serving_costs(trace, steps)
     speeds = load_speeds(steps) if recorded else {}
-    bound = tune_causal(servings, costs, loads, slo, inputs, speeds) if CAUSAL in names else None
-    causal = None if bound is None else tuned(Settings(inputs.engine, inputs.controller), bound.assignments).controller
+    bound, causal = tune_causal(servings, costs, loads, slo, inputs, speeds) if CAUSAL in names else (None, None)
     results = replay_loads(servings, costs, names, loads, slo, speeds, causal)
     found = capacities(servings, costs, results, slo, goals, causal) if goals else []
     if args.json:
