@@ -196,9 +196,10 @@ def markdown(results: list[LoadResult], title: str, bound: CausalBound | None = 
                      f"engine can run")
     if bound is not None:
         settings = ", ".join(bound.assignments) or "the replay's own"
-        lines.append(f"{CAUSAL}: {CAUSAL_MEANING} ({settings}, the best of {bound.num_tried} settings by the "
-                     f"goodput summed over the loads; simulator.causal_bound), a reference for planners that "
-                     f"cannot see a round's outcome")
+        score = "the goodput" if with_slo else "output tok/s"
+        lines.append(f"{CAUSAL}: {CAUSAL_MEANING} ({settings}, the best of {bound.num_tried} settings by {score} "
+                     f"summed over the loads; simulator.causal_bound), a reference for planners that cannot see a "
+                     f"round's outcome")
     summary = sweep_summary(results)
     if summary is not None:
         lines += [""] + summary_lines(summary)
