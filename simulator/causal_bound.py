@@ -21,10 +21,10 @@ every causal planner.
 - Under load (``LOAD_GRID``, ``simulator.replay --policy causal-bound``): the longest
   round, the gain, and how fast a request's estimates follow its outcomes (``recency``),
   scored by the goodput summed over the sweep's loads, the trainer's objective. Replayed
-  on this CPU under load the draft model rarely drafts, so its stop is left out; ``max_k``
-  moved the chat knee's capacity by 10 % (4 to 16) and ``recency`` by 2.4 %. Its
-  settings are the controller's alone, so the bound is ``rakv``'s policy under them, on
-  the replay's store and drafters.
+  on this CPU under load the draft model rarely drafts, so its stop is left out; the
+  longest round moved the chat knee's best capacity by 13 % (4 to 16) and ``recency`` by
+  up to 5 % (``docs/results.md`` section 37). Its settings are the controller's alone, so
+  the bound is ``rakv``'s policy under them, on the replay's store and drafters.
 """
 from __future__ import annotations
 
