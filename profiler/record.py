@@ -145,7 +145,7 @@ def load(args):
     if args.random_weights:
         from rakv.cpu_linear import with_kernels
         from rakv.shapes import random_pair
-        from rakv.weights import with_weights
+        from rakv.auto_weights import with_weights
         pair = with_weights(random_pair(args.pair, args.dtype or "float16", args.device, args.seed), args.weights)
         return with_kernels(pair, args.linear_kernels), None
     workload = load_workload(args.workload, args.requests, args.seed)  # a bad workload fails before any load

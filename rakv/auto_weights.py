@@ -1,5 +1,7 @@
-"""``--weights auto`` for a quantized checkpoint: the fastest mode on the CPU at hand, by
-measurement.
+"""A pair's ``--weights``: each model's mode chosen (``choose_weights``) and applied
+(``with_weights``: its Linear layers quantized, its fingerprint tagged); and ``auto`` for a
+quantized checkpoint: the fastest mode on the CPU at hand, by measurement. The modes
+themselves, and how one model's layers run in each, are ``rakv.weights``'.
 
 Every mode's rows are exact (``rakv.weights``), so among the modes a GGUF file with
 quantized tensors can run as (fp32: the file dequantized; int8; int4: its 4-bit tensors as
@@ -32,15 +34,19 @@ Results are cached per machine, kernel path and checkpoint as JSON under
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
-from rakv.weights import FP32, INT4, INT8
+from rakv.kernels import KernelUnavailable, kernel
+from rakv.weights import (AUTO, FOUR_BIT, FP32, INT4, INT8, KERNEL_OPS, TORCH_OPS, linear_forward, quantizable,
+                          quantize_linears, return_freed_memory, split_modes, tagged)
 
 REPEATS = 5  # timed calls per layer kind and row count
 ROWS = (1, 5)  # a decode step, a verification of 4 drafted tokens
@@ -48,6 +54,83 @@ LLC_FALLBACK_BYTES = 32 * 2**20  # the last-level cache where the OS does not sa
 MAX_COPIES = 64  # copies of a layer cycled over at most
 WEIGHT_BYTES = {FP32: 4.0, INT8: 1.0, INT4: 0.5}  # per weight, near enough to size the copies
 METHOD = 2  # part of the cached results' key (with ROWS): 2, timed from memory (1: hot in cache)
+
+
+def choose_weights(choice: str, stored: list[dict], models, key: str = "") -> str:
+    """The mode ``choice`` (one of WEIGHTS: ``split_modes`` checked it) means for these
+    models; raises ValueError (one line) where it cannot run. ``stored``: for each model,
+    how its checkpoint stores each Linear (``rakv.gguf_groups.stored_linears``: GGUF type
+    names, ``GroupedWeight``s for the 4-bit groups it matched, ``StoredRows``); empty
+    for a float one. ``auto`` measures the candidates (``fastest_mode``), cached
+    under ``key`` (the checkpoint's fingerprints)."""
+    from rakv import int4
+    from rakv.gguf_groups import PLAIN
+    mode = choice
+    if choice == AUTO:
+        kinds = [k for held in stored for k in held.values()]
+        four_bit = any(isinstance(k, int4.GroupedWeight) for k in kinds)
+        quantized = four_bit or any(isinstance(k, str) and k not in PLAIN for k in kinds)
+        mode = INT4 if four_bit else INT8 if quantized else FP32
+    if mode != FP32 and not all(quantizable(m) for m in models if m is not None):
+        raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU")
+    if mode != FP32:
+        try:
+            kernel()
+        except KernelUnavailable as exc:
+            if choice != AUTO:
+                raise KernelUnavailable(f"--weights {mode}: {exc}") from None
+            print(f"warning: {exc}; running fp32 instead", file=sys.stderr)
+            return FP32
+    if choice == AUTO:
+        return fastest_mode(models, stored, candidates(four_bit, quantized), key)
+    return mode
+
+
+def _shares_layers(target, draft) -> bool:
+    """Whether ``draft`` runs modules of ``target`` (a layer-prefix draft)."""
+    held = {id(m) for m in target.modules()}
+    return any(id(m) in held for m in draft.modules())
+
+
+def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] = (None, None)):
+    """``pair`` (a ``rakv.models.ModelPair``) in the modes ``choice`` names (``split_modes``;
+    each resolved by ``choose_weights``): its Linear layers quantized in place, its
+    fingerprints tagged with each model's mode and plan. ``gguf_paths``: the GGUF file each
+    of target and draft was loaded from, or None (a float checkpoint, or a draft that
+    shares the target's layers)."""
+    target_choice, draft_choice = split_modes(choice)
+    models = (pair.target, pair.draft)
+    stored = [{}, {}]
+    if {target_choice, draft_choice} & {AUTO, *FOUR_BIT}:
+        from rakv.gguf_groups import stored_linears
+        stored = [stored_linears(path, model) if path is not None and model is not None else {}
+                  for path, model in zip(gguf_paths, models)]
+    keys = (f"{pair.target_fingerprint}|{pair.draft_fingerprint}", str(pair.target_fingerprint),
+            str(pair.draft_fingerprint))
+    if draft_choice is None:  # one mode: auto looks at both files at once
+        modes = (choose_weights(target_choice, stored, models, keys[0]),) * 2
+    else:
+        modes = (choose_weights(target_choice, stored[:1], models[:1], keys[1]),
+                 choose_weights(draft_choice, stored[1:], models[1:], keys[2]))
+        if pair.draft is not None and modes[0] != modes[1] and _shares_layers(pair.target, pair.draft):
+            raise ValueError(f"--weights {choice}: this draft runs the target's own layers, so it runs in the "
+                             f"target's mode; give one mode")
+    plans, ops = [(), ()], [KERNEL_OPS, KERNEL_OPS]
+    from rakv.joined_linears import join_layers
+    from rakv.layer_kernel import use_kernel_norms
+    from rakv.row_attention import use_row_exact_attention
+    for i, (model, mode) in enumerate(zip(models, modes)):
+        if model is not None and mode != FP32:
+            plans[i] = quantize_linears(model, mode, stored[i])
+            join_layers(model)  # the same bits in fewer calls: not another model
+            use_row_exact_attention(model)
+            ops[i] = KERNEL_OPS if use_kernel_norms(model) else TORCH_OPS
+    if any(mode != FP32 for mode in modes):
+        return_freed_memory()
+    weights = modes[0] if pair.draft is None or modes[0] == modes[1] else f"{modes[0]}/{modes[1]}"
+    return dataclasses.replace(pair, weights=weights,
+                               target_fingerprint=tagged(pair.target_fingerprint, modes[0], plans[0], ops[0]),
+                               draft_fingerprint=tagged(pair.draft_fingerprint, modes[1], plans[1], ops[1]))
 
 
 def candidates(four_bit: bool, quantized: bool) -> tuple[str, ...]:
@@ -73,8 +156,7 @@ def fastest_mode(models, stored: list[dict], modes: tuple[str, ...], key: str) -
 
 
 def _cached_costs(models, stored, modes, key) -> dict[str, float]:
-    from rakv.calibrate import machine_id
-    from rakv.kernels import kernel_or_none, path_here
+    from rakv.kernels import kernel_or_none, machine_id, path_here
     from rakv.model_files import cache_root
     library = kernel_or_none()
     path = path_here() if library is not None else "none"
@@ -116,7 +198,6 @@ def _num_copies(layer_bytes: float) -> int:
 @functools.cache
 def _last_level_cache_bytes() -> int:
     """The largest cache the OS reports for CPU 0 (Linux sysfs), else LLC_FALLBACK_BYTES."""
-    from pathlib import Path
     sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -150,7 +231,6 @@ def _how(mode: str, module, source) -> tuple[str, Callable]:
     ``rakv.weights.linear_forward``, the rules the loaded model follows), and a maker of
     that forward."""
     from rakv.cpu_linear import PackedForward
-    from rakv.weights import linear_forward
     if mode == FP32:
         return FP32, lambda: PackedForward(module)
     return linear_forward(mode, module, source)

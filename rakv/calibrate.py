@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from rakv.cost_model import PairTimings, fit_timings
 from rakv.decoding import draft_agreement, forward, greedy
 from rakv.drafters import ngram_run_lengths
-from rakv.kernels import kernel_or_none, path_here
+from rakv.kernels import kernel_or_none, machine_id, path_here
 from rakv.kv_cache import GrowingCache
 from rakv.model_files import cache_root
 from rakv.models import ModelPair
@@ -53,12 +51,6 @@ SAMPLE_PROMPTS = (  # code, prose and chat: one kind alone would bias the accept
     "The history of the printing press begins in the fifteenth century, when",
     "User: Give me three tips for writing clear emails.\nAssistant:",
 )
-
-
-def machine_id() -> str:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
-    text = f"{device}|{torch.get_num_threads()}|{torch.__version__}"
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def sample_prompts(pair: ModelPair) -> list[list[int]]:

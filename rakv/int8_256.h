@@ -44,9 +44,10 @@ static void JOIN(block8_256, SUFFIX)(const int8_t *packed, const int32_t *colsum
                                      const float *bias, const uint8_t *xu, const float *x_scale, int k, int rows,
                                      float *y, int n) {
     switch (rows) {
-#define ROWS(R) case R: JOIN(block8_256_rows, SUFFIX)(packed, colsum, w_scale, bias, xu, x_scale, k, R, y, n); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
-#undef ROWS
+#define ROWS_256(R) \
+    case R: JOIN(block8_256_rows, SUFFIX)(packed, colsum, w_scale, bias, xu, x_scale, k, R, y, n); break;
+        ROWS_256(1) ROWS_256(2) ROWS_256(3) ROWS_256(4) ROWS_256(5) ROWS_256(6)
+#undef ROWS_256
     }
 }
 

@@ -92,6 +92,18 @@ def use_path(path: int) -> None:
     kernel().rakv_cap_path(path)
 
 
+def machine_id() -> str:
+    """The machine as the caches of its measurements key it (calibrations, ``--weights
+    auto``'s timings): its device (the GPU's name, else the CPU's), torch's threads and
+    torch's version; the kernels' path is keyed beside it where it matters."""
+    import platform
+
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    text = f"{device}|{torch.get_num_threads()}|{torch.__version__}"
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def kernel_forward(layer, function, x: torch.Tensor, mode: str) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype through one of the library's Linear entry
     points (``rakv_int4_linear``, ``rakv_int8_linear``): it takes the input, its rows and

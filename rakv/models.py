@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from rakv import cpu_linear, weights
+from rakv import auto_weights, cpu_linear, weights
 
 BUILTIN_PAIRS = ("tiny", "smollm2", "qwen-coder")
 SMOLLM2_DRAFT_LAYERS = 4
@@ -200,7 +200,7 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
               draft_layers: int = SMOLLM2_DRAFT_LAYERS, linear_kernels: str = "auto",
               weights_mode: str = weights.DEFAULT_WEIGHTS) -> ModelPair:
     """Load a pair by built-in name or ``TARGET[,DRAFT]``, its Linear layers in the precision
-    ``rakv.weights.choose_weights`` picks, its float32 ones on the kernels
+    ``rakv.auto_weights.choose_weights`` picks, its float32 ones on the kernels
     ``rakv.cpu_linear.choose_kernels`` picks. Raises PairError (one line)."""
     import torch
     from rakv import model_files
@@ -249,7 +249,7 @@ def load_pair(spec: str, dtype: str | None = None, max_context: int | None = Non
     if spec == "smollm2":
         gguf[1] = None  # the layer-prefix draft's layers are the target's
     try:
-        return cpu_linear.with_kernels(weights.with_weights(pair, weights_mode, tuple(gguf[:2])), linear_kernels)
+        return cpu_linear.with_kernels(auto_weights.with_weights(pair, weights_mode, tuple(gguf[:2])), linear_kernels)
     except ValueError as exc:
         raise PairError(str(exc)) from None
 

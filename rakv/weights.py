@@ -56,19 +56,18 @@ A pair's mode is one mode for both models, or ``TARGET/DRAFT``: ``int8/int4-pure
 the target in int8 and its draft in int4-pure.
 
 ``auto`` is the fastest mode for the checkpoint on the CPU at hand, measured once and
-cached (``rakv.auto_weights``): for a GGUF file with 4-bit tensors int4, int8 or fp32,
-for one with other quantized tensors int8 or fp32, and fp32 for a float checkpoint (and
-where the kernels cannot be built, with a warning).
+cached: for a GGUF file with 4-bit tensors int4, int8 or fp32, for one with other
+quantized tensors int8 or fp32, and fp32 for a float checkpoint (and where the kernels
+cannot be built, with a warning). A pair's choice is resolved and applied by
+``rakv.auto_weights`` (``with_weights``), above this module: here are the modes and how
+one model's layers run in each.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from rakv.kernels import LANES, KernelUnavailable, kernel, kernel_forward  # import no torch either
+from rakv.kernels import LANES, kernel, kernel_forward  # import no torch either
 
 if TYPE_CHECKING:
     import torch
@@ -214,37 +213,6 @@ def linear_forward(mode: str, module, source) -> tuple[str, Callable[[], object]
     return int8
 
 
-def choose_weights(choice: str, stored: list[dict], models, key: str = "") -> str:
-    """The mode ``choice`` (one of WEIGHTS: ``split_modes`` checked it) means for these
-    models; raises ValueError (one line) where it cannot run. ``stored``: for each model,
-    how its checkpoint stores each Linear (``rakv.gguf_groups.stored_linears``: GGUF type
-    names, ``GroupedWeight``s for the 4-bit groups it matched, ``StoredRows``); empty
-    for a float one. ``auto`` measures the candidates (``rakv.auto_weights``), cached
-    under ``key`` (the checkpoint's fingerprints)."""
-    from rakv import int4
-    from rakv.gguf_groups import PLAIN
-    mode = choice
-    if choice == AUTO:
-        kinds = [k for held in stored for k in held.values()]
-        four_bit = any(isinstance(k, int4.GroupedWeight) for k in kinds)
-        quantized = four_bit or any(isinstance(k, str) and k not in PLAIN for k in kinds)
-        mode = INT4 if four_bit else INT8 if quantized else FP32
-    if mode != FP32 and not all(quantizable(m) for m in models if m is not None):
-        raise ValueError(f"--weights {mode} needs float32 or float64 models on a CPU")
-    if mode != FP32:
-        try:
-            kernel()
-        except KernelUnavailable as exc:
-            if choice != AUTO:
-                raise KernelUnavailable(f"--weights {mode}: {exc}") from None
-            print(f"warning: {exc}; running fp32 instead", file=sys.stderr)
-            return FP32
-    if choice == AUTO:
-        from rakv.auto_weights import candidates, fastest_mode
-        return fastest_mode(models, stored, candidates(four_bit, quantized), key)
-    return mode
-
-
 def tagged(fingerprint: str | None, mode: str, plan: tuple[str, ...] = (), ops: str = KERNEL_OPS) -> str | None:
     """The fingerprint of a model in ``mode``, from its float32 fingerprint; ``plan``: how
     each Linear runs in int4 (``quantize_linears``), which makes it another model. So do
@@ -262,50 +230,3 @@ def split_modes(spec: str) -> tuple[str, str | None]:
     if target not in WEIGHTS or (slash and draft not in WEIGHTS):
         raise ValueError(f"--weights must be MODE or TARGET/DRAFT, each one of {', '.join(WEIGHTS)}; got {spec!r}")
     return target, draft if slash else None
-
-
-def _shares_layers(target, draft) -> bool:
-    """Whether ``draft`` runs modules of ``target`` (a layer-prefix draft)."""
-    held = {id(m) for m in target.modules()}
-    return any(id(m) in held for m in draft.modules())
-
-
-def with_weights(pair, choice: str, gguf_paths: tuple[Path | None, Path | None] = (None, None)):
-    """``pair`` (a ``rakv.models.ModelPair``) in the modes ``choice`` names (``split_modes``;
-    each resolved by ``choose_weights``): its Linear layers quantized in place, its
-    fingerprints tagged with each model's mode and plan. ``gguf_paths``: the GGUF file each
-    of target and draft was loaded from, or None (a float checkpoint, or a draft that
-    shares the target's layers)."""
-    target_choice, draft_choice = split_modes(choice)
-    models = (pair.target, pair.draft)
-    stored = [{}, {}]
-    if {target_choice, draft_choice} & {AUTO, *FOUR_BIT}:
-        from rakv.gguf_groups import stored_linears
-        stored = [stored_linears(path, model) if path is not None and model is not None else {}
-                  for path, model in zip(gguf_paths, models)]
-    keys = (f"{pair.target_fingerprint}|{pair.draft_fingerprint}", str(pair.target_fingerprint),
-            str(pair.draft_fingerprint))
-    if draft_choice is None:  # one mode: auto looks at both files at once
-        modes = (choose_weights(target_choice, stored, models, keys[0]),) * 2
-    else:
-        modes = (choose_weights(target_choice, stored[:1], models[:1], keys[1]),
-                 choose_weights(draft_choice, stored[1:], models[1:], keys[2]))
-        if pair.draft is not None and modes[0] != modes[1] and _shares_layers(pair.target, pair.draft):
-            raise ValueError(f"--weights {choice}: this draft runs the target's own layers, so it runs in the "
-                             f"target's mode; give one mode")
-    plans, ops = [(), ()], [KERNEL_OPS, KERNEL_OPS]
-    from rakv.joined_linears import join_layers
-    from rakv.layer_kernel import use_kernel_norms
-    from rakv.row_attention import use_row_exact_attention
-    for i, (model, mode) in enumerate(zip(models, modes)):
-        if model is not None and mode != FP32:
-            plans[i] = quantize_linears(model, mode, stored[i])
-            join_layers(model)  # the same bits in fewer calls: not another model
-            use_row_exact_attention(model)
-            ops[i] = KERNEL_OPS if use_kernel_norms(model) else TORCH_OPS
-    if any(mode != FP32 for mode in modes):
-        return_freed_memory()
-    weights = modes[0] if pair.draft is None or modes[0] == modes[1] else f"{modes[0]}/{modes[1]}"
-    return dataclasses.replace(pair, weights=weights,
-                               target_fingerprint=tagged(pair.target_fingerprint, modes[0], plans[0], ops[0]),
-                               draft_fingerprint=tagged(pair.draft_fingerprint, modes[1], plans[1], ops[1]))

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import NEEDS_KERNELS, kernel_paths
-from rakv import gguf_groups, int4, kernels, weights
-from rakv.weights import FP32, INT4, INT8, choose_weights
+from rakv import auto_weights, gguf_groups, int4, kernels
+from rakv.auto_weights import choose_weights
+from rakv.weights import FP32, INT4, INT8
 
 
 
@@ -116,7 +117,7 @@ def test_no_compiler_is_one_line_and_auto_falls_back(monkeypatch, tmp_path, caps
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
     with pytest.raises(kernels.KernelUnavailable, match="the quantized modes need a C compiler"):
         kernels._library.__wrapped__()
-    monkeypatch.setattr(weights, "kernel", kernels._library.__wrapped__)
+    monkeypatch.setattr(auto_weights, "kernel", kernels._library.__wrapped__)
     model = torch.nn.Linear(64, 64)
     for mode in (INT4, INT8):
         with pytest.raises(kernels.KernelUnavailable, match=f"^--weights {mode}: the quantized modes need a C"):

@@ -115,7 +115,7 @@ def test_auto_takes_the_fastest_mode_measured_here_once(monkeypatch, tmp_path, c
     CPU, the cheapest taken, the figures cached (a second choice measures nothing); a float
     checkpoint stays fp32 unmeasured; int4 only where the file holds 4-bit tensors."""
     from rakv import auto_weights
-    from rakv.weights import choose_weights
+    from rakv.auto_weights import choose_weights
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
     model = load_pair("tiny", dtype="float32").target
     linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
