@@ -10,7 +10,7 @@ request of 16 is 6 % of a rate's goodput; a smoother objective needs more) under
 its seeds and pooled (more requests of one seed repeat its prompts more: another
 workload), on the trace's step model (``simulator.step_costs``), under the recording's
 ITL and TTFT targets or those given, as ``simulator.replay --arrival-rate R,... --slo ...
---seed S,... [--itl-target S] [--ttft-target S]`` replays them.
+--seed S,... [--itl-target S] [--ttft-target S] [--max-num-prefills N]`` replays them.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class SweepConfig:
     # the server's targets (``rakv.scheduler.BatchConfig``): None, the recording's; 0, none
     itl_target_s: float | None = None
     ttft_target_s: float | None = None
+    max_num_prefills: int | None = None  # the server's (``BatchConfig``); None: the recording's
 
 
 class LoadSweep:
@@ -53,7 +54,8 @@ class LoadSweep:
         self.trace: Trace = trace
         self.config = config
         self.servings = [ServingReplay(trace, trace.decision_inputs(Settings()), config.num_requests, seed,
-                                       itl_target_s=config.itl_target_s, ttft_target_s=config.ttft_target_s)
+                                       itl_target_s=config.itl_target_s, ttft_target_s=config.ttft_target_s,
+                                       max_num_prefills=config.max_num_prefills)
                          for seed in config.seeds]
         self.costs = fit_serving_costs(trace)
         self._named: dict[str, float] = {}

@@ -45,7 +45,7 @@ from rakv.controller import ControllerConfig
 from rakv.learned import (FORMAT, FORMAT_VERSION, SIDECAR_FILE, SIDECAR_KEYS, LearnedPolicy, PolicyFile, head_file,
                           token_priors_to_json)
 from rakv.learned_rounds import HEADS, ROUND_FEATURES, RoundModel
-from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
+from rakv.scheduler import ITL_TARGET_HELP, MAX_NUM_PREFILLS_HELP, TTFT_TARGET_HELP
 from rakv.settings import Settings, settings_to_json
 from rakv.trees import compile_model
 from simulator.costs import CostModelError
@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help=f"the sweep's server: {ITL_TARGET_HELP}; 0: none (default: each trace's recording's)")
     load.add_argument("--ttft-target", type=float, default=None, metavar="S",
                       help=f"the sweep's server: {TTFT_TARGET_HELP}; 0: none (default: each trace's recording's)")
+    load.add_argument("--max-num-prefills", type=int, default=None, metavar="N",
+                      help=f"the sweep's server: {MAX_NUM_PREFILLS_HELP} (default: each trace's recording's)")
     return p.parse_args(argv)
 
 
@@ -101,7 +103,7 @@ def load_sweeps(args: argparse.Namespace, pair: str | None) -> list[LoadSweep]:
     slo = slo_option(args.slo)
     seeds = (args.seed,) if args.serve_seeds is None else parse_seeds(args.serve_seeds, "--serve-seeds")
     config = SweepConfig(parse_loads(args.arrival_rate, "--arrival-rate", False), slo, args.serve_requests, seeds,
-                         args.itl_target, args.ttft_target)
+                         args.itl_target, args.ttft_target, args.max_num_prefills)
     sweeps = [LoadSweep(path, config) for path in args.serve_trace]
     for sweep in sweeps:
         if sweep.trace.meta.models.get("pair") != pair:
@@ -354,6 +356,7 @@ def export(data: Data, sweeps: list[LoadSweep], study, out: Path) -> dict:
                    "slo": sweep.config.slo.describe(), "num_requests": sweep.config.num_requests,
                    "seeds": list(sweep.config.seeds),
                    "itl_target_s": sweep.batch.itl_target_s, "ttft_target_s": sweep.batch.ttft_target_s,
+                   "max_num_prefills": sweep.batch.max_num_prefills,
                    "goodput_per_s": {"learned": learned_goodput_per_s(sweep, policy_file),
                                      **{name: sweep.goodput_per_s(name) for name in ("rakv", "kv-only")}}}
                   for sweep in sweeps]

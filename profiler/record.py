@@ -57,7 +57,7 @@ from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load
 from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_precision_arguments, run_cli
 from rakv.controller import ControllerConfig
-from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP, BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, MAX_NUM_PREFILLS_HELP, TTFT_TARGET_HELP, BatchConfig
 from rakv.op_timing import CALIBRATION_GRID, RECORDING_GRID, SERVING_GRID, measure_pair
 from rakv.policies import check_policy
 from rakv.settings import DecisionInputs, EngineConfig, settings_to_json
@@ -123,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help=f"requests running at once at most (default: {BatchConfig.max_num_seqs})")
     serve.add_argument("--max-num-batched-tokens", type=int, default=BatchConfig.max_num_batched_tokens,
                        help=f"rows of one step at most (default: {BatchConfig.max_num_batched_tokens})")
+    serve.add_argument("--max-num-prefills", type=int, default=BatchConfig.max_num_prefills,
+                       help=f"{MAX_NUM_PREFILLS_HELP} (default: {BatchConfig.max_num_prefills})")
     serve.add_argument("--itl-target", type=float, default=None, metavar="S", help=f"{ITL_TARGET_HELP} (default: none)")
     serve.add_argument("--ttft-target", type=float, default=None, metavar="S",
                        help=f"{TTFT_TARGET_HELP} (default: none, first come first served)")
@@ -296,7 +298,7 @@ def run(args) -> int:
     if args.recalibrate and args.resume:
         raise ValueError("--recalibrate cannot go with --resume: a resumed recording keeps the timings it began with")
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, itl_target_s=args.itl_target,
-                        ttft_target_s=args.ttft_target)
+                        ttft_target_s=args.ttft_target, max_num_prefills=args.max_num_prefills)
     pair, workload = load(args)
     run_policies(pair, args)  # a bad --runs-policies fails before any recording
     inputs = decision_inputs(pair, args)

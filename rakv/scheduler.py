@@ -14,11 +14,12 @@ Invariants:
   that order (their rows are what keeps tokens flowing), then prefill chunks in that
   order, then admits waiting requests from the front of ``waiting`` (with a TTFT target,
   those in time first, and late ones only in a lull: "Late requests yield") while rows,
-  seats and memory last. A preempted request goes back to the front of ``waiting``. A
-  round's planner is shown the rest of the step (``rakv.step_load.StepLoad``): the
-  rounds planned before it, one row for each decoding request after it, and whether the
-  step prefills (a running request's chunk, or a waiting request it may admit with a
-  seat free).
+  seats, memory and prefills last: a step prefills at most ``max_num_prefills``
+  requests, an admission counting as one (its store lookup is made when it is admitted).
+  A preempted request goes back to the front of ``waiting``. A round's planner is shown
+  the rest of the step (``rakv.step_load.StepLoad``): the rounds planned before it, one
+  row for each decoding request after it, and whether the step prefills (a running
+  request's chunk, or a waiting request it may admit with a seat free).
 - Rows. A step's works hold at most ``max_num_batched_tokens`` rows; a round's k is
   clipped to the rows left (``PlannedRounds.plan_move``'s ``max_k``): batching changes
   a request's rounds, never its tokens.
@@ -71,6 +72,10 @@ TTFT_TARGET_HELP = ("the time to first token to serve requests within, in second
                     "that has waited longer yields its turn to those still in time (first come first served within "
                     "each) and runs only when none of them runs, and no round makes a step longer than half the "
                     "least time a request in time has left")
+MAX_NUM_PREFILLS_HELP = ("requests one step prefills at most, an admission counting as one: on a CPU a prompt's rows "
+                         "cost what they cost alone, so a second prompt in a step makes the first one's first token "
+                         "wait for it, for no gain; raise it for an accelerator, whose steps batch short prompts "
+                         "nearly free")
 ITL_TARGET_HELP = ("keep decoding requests to this inter-token latency in seconds: a round may not make a step "
                    "longer than another running request's pace allows (steps as the calibration prices them)")
 
@@ -89,9 +94,17 @@ class BatchConfig:
     # (``Scheduler``'s "Late requests yield"). None: first come first served, steps
     # bounded by no wait.
     ttft_target_s: float | None = None
+    # Requests a step prefills at most (running requests' next chunks and admissions). Where
+    # a prompt's rows cost about what they cost alone, as a CPU's forward over a prompt of a
+    # hundred tokens does, two prompts in one step gain nothing and make the first one's
+    # first token, and every decoding request's next, wait for the second prompt; one a
+    # step, each first token comes as early or earlier, the second's later by one step's
+    # base cost at most. An accelerator, whose forwards batch short prompts nearly free,
+    # wants more. Engines before it prefilled as many as rows and seats allowed.
+    max_num_prefills: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "memory_budget_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "memory_budget_bytes", "max_num_prefills"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("itl_target_s", "ttft_target_s"):
@@ -252,17 +265,23 @@ class Scheduler:
             planned_rows += k + 1
             if drafter == DRAFT_MODEL and k:
                 deepen(depths, k)
+        num_prefills = 0
         for seq in self.running:
             if seq.prefilling and budget > 0:
+                if num_prefills == self.config.max_num_prefills:
+                    break
                 work = self._chunk(seq, budget)
                 if work is None:
                     break  # a prefill waits for memory rather than preempt
                 works.append(work)
                 budget -= work.rows
+                num_prefills += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_waiting(now_s)
             if seq is None:
                 break  # only late requests wait, beside one in time
+            if num_prefills == self.config.max_num_prefills and (seq.prefilling or not seq.admitted):
+                break  # it prefills in a later step
             if not seq.admitted:
                 self.admit(seq)
                 seq.admitted = True
@@ -280,6 +299,7 @@ class Scheduler:
             if work is not None:
                 works.append(work)
                 budget -= work.rows
+                num_prefills += 1
         if pacing:
             self._pace_before = [(seq, seq.t) for seq in self.running if seq.t > 0]
         return works

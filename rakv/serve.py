@@ -36,7 +36,7 @@ from rakv.calibrate import RECALIBRATE_HELP
 from rakv.cli import add_pair_arguments, run_cli
 from rakv.engine import RequestError
 from rakv.models import PairError
-from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP, BatchConfig
+from rakv.scheduler import ITL_TARGET_HELP, MAX_NUM_PREFILLS_HELP, TTFT_TARGET_HELP, BatchConfig
 from rakv.serve_api import (ApiError, ChatRequest, CompletionRequest, Decoding, OutputText, Shape, chat_prompt_ids,
                             check_request, prompt_ids, usage)
 from rakv.serve_loop import EngineFailure, EngineLoop, RequestStream
@@ -248,6 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"requests running at once at most (default: {defaults.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help=f"rows of one batched step at most (default: {defaults.max_num_batched_tokens})")
+    p.add_argument("--max-num-prefills", type=int, default=defaults.max_num_prefills, help=MAX_NUM_PREFILLS_HELP
+                   + f" (default: {defaults.max_num_prefills})")
     p.add_argument("--memory-budget-mib", type=float, default=defaults.memory_budget_bytes / 2**20,
                    help="running requests' KV plus the prefix store "
                         f"(default: {defaults.memory_budget_bytes / 2**20:g} MiB)")
@@ -260,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> None:
     """Fail before any model loads (ValueError, one line)."""
-    for option in ("max_num_seqs", "max_num_batched_tokens"):
+    for option in ("max_num_seqs", "max_num_batched_tokens", "max_num_prefills"):
         if getattr(args, option) < 1:
             raise ValueError(f"--{option.replace('_', '-')} must be at least 1, got {getattr(args, option)}")
     for option in ("memory_budget_mib", "store_budget_mib", "itl_target", "ttft_target"):
@@ -288,7 +290,7 @@ def build_engine(args: argparse.Namespace):
                             pair.target_fingerprint, pair.draft_fingerprint, args.pair, args.strict)
     config = EngineConfig(StoreConfig(int(args.store_budget_mib * 2**20), args.store))
     batch = BatchConfig(args.max_num_seqs, args.max_num_batched_tokens, int(args.memory_budget_mib * 2**20),
-                        args.itl_target, args.ttft_target)
+                        args.itl_target, args.ttft_target, args.max_num_prefills)
     return BatchEngine(pair, policy, config, batch, timings=timings)
 
 

@@ -229,7 +229,7 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
     servings = [ServingReplay(trace, inputs, args.requests, seed, strict=args.strict,
                               recorded_policies=args.as_recorded, max_num_seqs=args.max_num_seqs,
                               max_num_batched_tokens=args.max_num_batched_tokens, itl_target_s=args.itl_target,
-                              ttft_target_s=args.ttft_target)
+                              ttft_target_s=args.ttft_target, max_num_prefills=args.max_num_prefills)
                 for seed in args.seed or (None,)]  # --seed's list (``parse_seeds``): each load replayed under each
     # the trace's own loads, requests and arrivals: each recorded (load, policy) at the machine's speed as it ran;
     # with --attainment every load at the usual speed, as the rates its capacities are bisected at
@@ -248,8 +248,9 @@ def serve_loads(args, trace: Trace, inputs: DecisionInputs, names: list[str], ti
         serving, batch = servings[0], servings[0].batch
         print(markdown(results, f"{title}\n{_requests_line(servings)}, up to {serving.max_new} new tokens "
                                 f"each; max_num_seqs {batch.max_num_seqs}, max_num_batched_tokens "
-                                f"{batch.max_num_batched_tokens}; ITL target {_seconds(batch.itl_target_s)}; "
-                                f"TTFT target {_seconds(batch.ttft_target_s)}; steps priced from the serving grid",
+                                f"{batch.max_num_batched_tokens}, max_num_prefills {batch.max_num_prefills}; "
+                                f"ITL target {_seconds(batch.itl_target_s)}; TTFT target "
+                                f"{_seconds(batch.ttft_target_s)}; steps priced from the serving grid",
                        bound))
         if found:
             print("\n".join([""] + capacity_lines(found, FIXED, REFERENCES)))

@@ -44,7 +44,7 @@ from profiler.schema import TraceError
 from rakv.cli import run_cli
 from rakv.choices import ADAPTIVE_NAME, FIXED_POLICY_HELP, fixed_policy_names
 from rakv.policies import LEARNED, check_policy, shipped_policy
-from rakv.scheduler import ITL_TARGET_HELP, TTFT_TARGET_HELP
+from rakv.scheduler import ITL_TARGET_HELP, MAX_NUM_PREFILLS_HELP, TTFT_TARGET_HELP
 from rakv.settings import SECTIONS, DecisionInputs, Settings, differences, override, overrides_from_json
 from simulator.causal_bound import LOAD_GRID, MEANING as CAUSAL_MEANING, NAME as CAUSAL, num_settings
 from simulator.costs import CostModelError, request_cost
@@ -272,6 +272,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="running requests at most (default: the recording's)")
     load.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                       help="rows of one step at most (default: the recording's)")
+    load.add_argument("--max-num-prefills", type=int, default=None, metavar="N",
+                      help=f"{MAX_NUM_PREFILLS_HELP} (default: the recording's; a recording made before the option "
+                           f"existed: max_num_seqs, as its engine prefilled)")
     load.add_argument("--itl-target", type=float, default=None, metavar="S",
                       help=f"{ITL_TARGET_HELP}; 0: none (default: the recording's)")
     load.add_argument("--ttft-target", type=float, default=None, metavar="S",
@@ -355,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
     given = [option for option, value in (("--concurrency", args.concurrency), ("--slo", args.slo),
                                           ("--max-num-seqs", args.max_num_seqs),
                                           ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                                          ("--max-num-prefills", args.max_num_prefills),
                                           ("--itl-target", args.itl_target),
                                           ("--ttft-target", args.ttft_target),
                                           ("--attainment", args.attainment))

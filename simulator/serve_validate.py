@@ -200,15 +200,17 @@ class ServingReplay:
     def __init__(self, trace: Trace, inputs: DecisionInputs | None = None, num_requests: int | None = None,
                  seed: int | None = None, *, strict: bool = False, recorded_policies: bool | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 itl_target_s: float | None = None, ttft_target_s: float | None = None):
+                 itl_target_s: float | None = None, ttft_target_s: float | None = None,
+                 max_num_prefills: int | None = None):
         """``num_requests``: the trace's requests resampled with their prefix families
         (``simulator.schedule``, from ``seed``) instead of the ones it served (its first
-        ``serve_requests``, or the ``serve_resample`` it drew from its seed).
-        The batching limits and the ITL and TTFT targets: the recording's where None (a
-        target of 0: none). ``recorded_policies``: a learned policy the trace served
-        decides with the trace's copy of its files (``simulator.session.trace_policy``),
-        not the shipped one; None: where the settings are the recording's (``inputs``
-        None)."""
+        ``serve_requests``, or the ``serve_resample`` it drew from its seed). The
+        batching limits and the ITL and TTFT targets: the recording's where None (a
+        target of 0: none; a recording made before ``max_num_prefills`` existed
+        prefilled as many requests a step as rows and seats allowed: ``max_num_seqs``).
+        ``recorded_policies``: a learned policy the trace served decides with the
+        trace's copy of its files (``simulator.session.trace_policy``), not the shipped
+        one; None: where the settings are the recording's (``inputs`` None)."""
         config = trace.meta.config
         self.trace = trace
         self.inputs = trace.require_inputs() if inputs is None else inputs
@@ -217,11 +219,13 @@ class ServingReplay:
         def target(given: float | None, key: str) -> float | None:
             value = config.get(key) if given is None else given  # recorded since it was added; before, none
             return float(value) if value else None
-        self.batch = BatchConfig(int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs),
-                                 int(config["max_num_batched_tokens"] if max_num_batched_tokens is None
-                                     else max_num_batched_tokens),
+        num_seqs = int(config["max_num_seqs"] if max_num_seqs is None else max_num_seqs)
+        if max_num_prefills is None:  # recorded since it was added; before, as many as the seats
+            max_num_prefills = int(config.get("max_num_prefills") or num_seqs)
+        self.batch = BatchConfig(num_seqs, int(config["max_num_batched_tokens"] if max_num_batched_tokens is None
+                                               else max_num_batched_tokens),
                                  itl_target_s=target(itl_target_s, "itl_target"),
-                                 ttft_target_s=target(ttft_target_s, "ttft_target"))
+                                 ttft_target_s=target(ttft_target_s, "ttft_target"), max_num_prefills=max_num_prefills)
         self.max_new = int(config["max_new_tokens"])
         recorded_seed = int(config.get("seed") or 0)
         self.seed = recorded_seed if seed is None else seed

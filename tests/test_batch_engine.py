@@ -13,7 +13,7 @@ from rakv.controller import make_policy
 from rakv.engine import Engine, RequestError
 from rakv.kv_store import KVStore
 from rakv.models import load_pair
-from rakv.scheduler import BatchConfig
+from rakv.scheduler import PREFILL, BatchConfig, Scheduler, Seq
 from rakv.store_model import StoreConfig
 from rakv.weights import INT4, INT8
 
@@ -88,14 +88,14 @@ def check_schedules(pair, prompts, policy_names, max_new: int, configs, seeds) -
 
 
 def configs_for(pair, prompts, max_new: int) -> list[BatchConfig]:
-    """Concurrency 1 to 8, row budgets that chunk prefills and clip rounds, and a memory
-    budget small enough to preempt."""
+    """Concurrency 1 to 8, row budgets that chunk prefills and clip rounds, one prompt
+    prefilled a step or as many as fit, and a memory budget small enough to preempt."""
     longest = max(len(p) for p in prompts) + max_new
     tight = int(bytes_per_position(pair) * longest * 1.3)  # one request fits, two at full length do not
     return [BatchConfig(max_num_seqs=1, max_num_batched_tokens=256),
-            BatchConfig(max_num_seqs=2, max_num_batched_tokens=8),
+            BatchConfig(max_num_seqs=2, max_num_batched_tokens=8, max_num_prefills=2),
             BatchConfig(max_num_seqs=4, max_num_batched_tokens=16, memory_budget_bytes=tight),
-            BatchConfig(max_num_seqs=8, max_num_batched_tokens=64),
+            BatchConfig(max_num_seqs=8, max_num_batched_tokens=64, max_num_prefills=8),
             BatchConfig(max_num_seqs=8, max_num_batched_tokens=5, memory_budget_bytes=tight)]
 
 
@@ -146,8 +146,39 @@ def test_a_step_never_exceeds_its_row_budget_or_seats(tiny_pair):
         engine.run_works(works)
 
 
+class _PlainSteps:
+    def plan_move(self, t, max_k=None, load=None):
+        return None, 0
+
+
+def test_a_step_prefills_at_most_max_num_prefills_requests():
+    """One prompt a step by default: a second waits for a step of its own even where rows
+    are left, and a running request's next chunk counts as one; with more allowed, the
+    rows left go to the next prompt (the engines before the option)."""
+    def prefills(max_num_prefills: int) -> list[list[tuple[int, int]]]:
+        """(request id, rows) of each step's prefills, three 40-token prompts under a
+        30-row budget, until the first two are prefilled (a request decodes once its
+        prefill ends)."""
+        scheduler = Scheduler(BatchConfig(max_num_batched_tokens=30, max_num_prefills=max_num_prefills),
+                              lambda seq: None, lambda seq: None, lambda: 0, lambda: False)
+        seqs = [Seq(i, 40, 8, 1, num_tokens=40, prefill_end=40, moves=_PlainSteps()) for i in range(3)]
+        for seq in seqs:
+            scheduler.add(seq)
+        steps = []
+        while seqs[1].prefilling:
+            works = [work for work in scheduler.schedule() if work.kind == PREFILL]  # and the decoders' rows
+            for work in works:
+                work.seq.num_computed += work.rows
+            steps.append([(work.seq.request_id, work.rows) for work in works])
+        return steps
+    assert prefills(1) == [[(0, 30)], [(0, 10)], [(1, 29)], [(1, 11)]]  # 29: request 0 decodes beside it
+    assert prefills(2) == [[(0, 30)], [(0, 10), (1, 20)], [(1, 20), (2, 9)]]
+    with pytest.raises(ValueError, match="max_num_prefills must be at least 1"):
+        BatchConfig(max_num_prefills=0)
+
+
 def test_abort_frees_the_request_and_stores_no_output(tiny_pair):
-    engine = BatchEngine(tiny_pair, make_policy("ar"))
+    engine = BatchEngine(tiny_pair, make_policy("ar"), batch=BatchConfig(max_num_prefills=2))
     kept, dropped_prompt = tiny_pair.encode(TEXTS[0]), tiny_pair.encode(TEXTS[1])
     kept_id = engine.submit(kept, 6)
     dropped = engine.submit(dropped_prompt, 50)

@@ -259,6 +259,8 @@ def test_policy_all_under_load_leaves_the_oracles_out_and_foresight_in(capsys):
     (SERVING, ["--concurrency", "2,zero"], "--concurrency: 'zero' is not a number"),
     (SERVING, ["--arrival-rate", "-1"], "--arrival-rate: '-1' must be > 0"),
     (SERVING, ["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (SERVING, ["--max-num-prefills", "0"], "max_num_prefills must be at least 1"),
+    (TRACES / "smollm2-chat", ["--max-num-prefills", "1"], "--max-num-prefills needs a serving trace"),
     (SERVING, ["--timing", str(SERVING)], "--timing is for batch-1 replays"),
     (TRACES / "smollm2-chat", ["--concurrency", "1,2"], "--concurrency needs a serving trace"),
     (TRACES / "smollm2-chat", ["--slo", "ttft=1"], "--slo needs a serving trace"),
@@ -335,3 +337,14 @@ def test_a_draft_catch_up_waits_for_a_step_that_prefills_no_other_request(capsys
         met[bool(extra)] = {row["policy"]: row["num_meeting_slo"] for row in rows_of(capsys)}
     assert met[False] == {"kv-only": 399, "rakv": 399}
     assert met[True] == {"kv-only": 399, "rakv": 398}
+
+
+def test_a_recording_made_before_max_num_prefills_replays_as_its_engine_prefilled():
+    """Its engine prefilled as many requests a step as rows and seats allowed; a replay
+    given the option serves under it."""
+    trace = load_trace(SERVING)
+    assert "max_num_prefills" not in trace.meta.config
+    seats = int(trace.meta.config["max_num_seqs"])
+    assert serve_validate.ServingReplay(trace).batch.max_num_prefills == seats
+    assert serve_validate.ServingReplay(trace, max_num_seqs=2).batch.max_num_prefills == 2
+    assert serve_validate.ServingReplay(trace, max_num_prefills=1).batch.max_num_prefills == 1

@@ -469,6 +469,7 @@ def test_recalibrate_measures_the_pairs_timings_again(calibration_refreshes):
 @pytest.mark.parametrize("argv, message", [
     (["--policy", "fastest"], "unknown policy 'fastest'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--max-num-prefills", "0"], "--max-num-prefills must be at least 1, got 0"),
     (["--memory-budget-mib", "-1"], "--memory-budget-mib must be positive"),
     (["--itl-target", "0"], "--itl-target must be positive, got 0"),
     (["--pair", "/nonexistent/model.gguf", "--policy", "ar", "--port", "0"],

@@ -57,6 +57,7 @@ def test_steps_account_for_every_row_within_the_limits(trace):
         prefilled, verifies = Counter(), Counter()
         for s in steps:
             assert sum(s.rows) <= 24 and len(s.request_ids) <= 3 and len(set(s.request_ids)) == len(s.request_ids)
+            assert s.kinds.count("prefill") <= 1  # max_num_prefills, as recorded
             assert s.forward_s + s.propose_s <= s.seconds
             for request_id, kind, num_rows, k in zip(s.request_ids, s.kinds, s.rows, s.ks):
                 if kind == "prefill":

@@ -28,7 +28,8 @@ def _admitted(target_s: float | None, waiting: list[Seq], now_s: float,
               running: tuple[Seq, ...] = ()) -> list[int]:
     """The request ids a step admits, in order, from ``waiting`` beside ``running`` (seats
     and rows for all); each admitted request is marked late or not."""
-    scheduler = Scheduler(BatchConfig(max_num_seqs=8, max_num_batched_tokens=256, ttft_target_s=target_s),
+    scheduler = Scheduler(BatchConfig(max_num_seqs=8, max_num_batched_tokens=256, ttft_target_s=target_s,
+                                      max_num_prefills=8),
                           lambda seq: None, lambda seq: None, lambda: 0, lambda: False)
     scheduler.running.extend(running)
     for seq in waiting:
