@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rakv.kernels import KernelUnavailable, kernel
+from rakv.kernels import KernelUnavailable, kernel, kernel_or_none, machine_id, path_here
 from rakv.weights import (AUTO, FOUR_BIT, FP32, INT4, INT8, KERNEL_OPS, TORCH_OPS, linear_forward, quantizable,
                           quantize_linears, return_freed_memory, split_modes, tagged)
 
@@ -156,7 +156,6 @@ def fastest_mode(models, stored: list[dict], modes: tuple[str, ...], key: str) -
 
 
 def _cached_costs(models, stored, modes, key) -> dict[str, float]:
-    from rakv.kernels import kernel_or_none, machine_id, path_here
     from rakv.model_files import cache_root
     library = kernel_or_none()
     path = path_here() if library is not None else "none"
