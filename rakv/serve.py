@@ -248,8 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"requests running at once at most (default: {defaults.max_num_seqs})")
     p.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
                    help=f"rows of one batched step at most (default: {defaults.max_num_batched_tokens})")
-    p.add_argument("--max-num-prefills", type=int, default=defaults.max_num_prefills, help=MAX_NUM_PREFILLS_HELP
-                   + f" (default: {defaults.max_num_prefills})")
+    p.add_argument("--max-num-prefills", type=int, default=defaults.max_num_prefills,
+                   help=f"{MAX_NUM_PREFILLS_HELP} (default: {defaults.max_num_prefills})")
     p.add_argument("--memory-budget-mib", type=float, default=defaults.memory_budget_bytes / 2**20,
                    help="running requests' KV plus the prefix store "
                         f"(default: {defaults.memory_budget_bytes / 2**20:g} MiB)")
