@@ -150,6 +150,7 @@ def test_the_grid_is_timed_in_passes_spread_across_the_loads(tmp_path, monkeypat
     (["--serve-concurrency", "2", "--serve-policies", "ar,nope"], "--serve-policies: unknown policy 'nope'"),
     (["--serve-concurrency", "2", "--skip", "requests"], "serving under load serves the recorded requests"),
     (["--serve-concurrency", "2", "--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (["--serve-concurrency", "2", "--max-num-prefills", "0"], "max_num_prefills must be at least 1"),
     (["--serve-concurrency", "2", "--itl-target", "-0.1"], "--itl-target must be positive, got -0.1"),
 ])
 def test_bad_serving_arguments_are_one_line(tmp_path, capsys, argv, message):
