@@ -459,6 +459,14 @@ def test_defaults_serve_smollm2_on_localhost():
     assert (args.pair, args.host, args.port, args.api_key, args.policy) == ("smollm2", "127.0.0.1", 8000, None, "rakv")
 
 
+def test_the_batching_options_reach_the_engine():
+    from rakv.serve import build_engine
+    engine = build_engine(parse_args(["--pair", "tiny", "--policy", "ar", "--max-num-seqs", "3",
+                                      "--max-num-batched-tokens", "32", "--max-num-prefills", "2"]))
+    assert (engine.batch.max_num_seqs, engine.batch.max_num_batched_tokens, engine.batch.max_num_prefills) == (3, 32, 2)
+    assert parse_args([]).max_num_prefills == 1
+
+
 def test_recalibrate_measures_the_pairs_timings_again(calibration_refreshes):
     from rakv.serve import build_engine
     for argv in (["--pair", "tiny"], ["--pair", "tiny", "--recalibrate"]):
