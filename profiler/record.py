@@ -49,8 +49,8 @@ from profiler.arrivals import loads_type, resample_families, seed_type
 from profiler.hardware import hardware_fingerprint
 from profiler.run_noise import MachineSpeed, NoiseGuard, forward_probe
 from profiler.run_record import passes_at, record_runs, run_policies
-from profiler.schema import (META_DECISION_INPUTS, META_TIMING_TRACE, DrafterRunLengths, RequestRow, TraceError,
-                             TraceMeta, table_to_rows)
+from profiler.schema import (META_DECISION_INPUTS, META_FIRST_TOKEN_AT, META_TIMING_TRACE, DrafterRunLengths,
+                             RequestRow, TraceError, TraceMeta, table_to_rows)
 from profiler.serve_record import loads_of, record_serving
 from profiler.trace_io import TraceWriter, read_table
 from profiler.workloads import WORKLOAD_NAMES, WorkloadError, is_user_file, load_workload
@@ -185,6 +185,7 @@ def trace_meta(args, pair, inputs: DecisionInputs) -> TraceMeta:
     config["dtype"] = str(pair.target.dtype)
     config["grid_points"] = asdict(GRIDS[args.grid])
     config["recorded_max_k"] = RECORDED_MAX_K
+    config[META_FIRST_TOKEN_AT] = "delivery"  # served first tokens timed as their steps delivered them
     config[META_DECISION_INPUTS] = settings_to_json(inputs)
     if args.timing_trace is not None:
         config[META_TIMING_TRACE] = args.timing_trace

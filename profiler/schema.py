@@ -208,6 +208,11 @@ TABLES: dict[str, pa.Schema] = {
 META_DECISION_INPUTS = "decision_inputs"
 # The key under ``config`` naming the timing trace (a sibling directory) of a trace recorded without ops.
 META_TIMING_TRACE = "timing_trace"
+# The key under ``config`` that says when a served request's ``first_token_s`` was timed:
+# "delivery" (the end of the step that delivered it, as the server streams it) where the
+# recording's engine timed it so; a recording without the key timed it when it was made
+# (``profiler.serve_summary.delivered`` moves those to their delivery).
+META_FIRST_TOKEN_AT = "first_token_at"
 
 # Columns that identify a row: a recording resumed after a crash skips rows whose key exists.
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {

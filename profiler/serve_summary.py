@@ -18,16 +18,17 @@ exceed), whose goodput is the requests meeting every bound per second of the loa
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from profiler.schema import ServedRow, StepRow, TraceError, table_to_rows
+from profiler.schema import META_FIRST_TOKEN_AT, ServedRow, StepRow, TraceError, table_to_rows
 from profiler.serve_record import Load
 from profiler.trace_io import read_meta, read_table
 from rakv.cli import run_cli
@@ -166,6 +167,35 @@ def served_times(rows: list[ServedRow]) -> list[tuple[float, float, float, int]]
     return [(r.arrival_s, r.first_token_s, r.finish_s, len(r.output_ids)) for r in rows]
 
 
+def delivered(served: list[ServedRow], steps: list[StepRow]) -> list[ServedRow]:
+    """Served rows of a recording that timed a first token when it was made (no
+    ``META_FIRST_TOKEN_AT`` in its config), each first token moved to the end of the recorded
+    step that delivered it: the first of its load and policy to end at or after it was
+    made (never past the request's finish, which that step also timed). The engine
+    streams a step's tokens when the step ends, and an exact repeat's first token, made
+    at its admission, was timed before that step ran: its TTFT was short by a step."""
+    ends_s: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for step in sorted(steps, key=lambda s: (s.load, s.policy, s.step)):
+        ends_s[step.load, step.policy].append(step.start_s + step.seconds)
+    moved = []
+    for row in served:
+        ends = ends_s.get((row.load, row.policy), [])
+        i = bisect.bisect_left(ends, row.first_token_s)
+        end_s = ends[i] if i < len(ends) else row.first_token_s
+        moved.append(replace(row, first_token_s=min(max(end_s, row.first_token_s), row.finish_s)))
+    return moved
+
+
+def read_served(trace_dir: Path, config: dict) -> tuple[list[ServedRow], list[StepRow]]:
+    """A serving trace's served rows, first tokens at their delivery (``delivered``, for
+    a recording made before the engine timed them so), and its steps."""
+    served = table_to_rows("served", read_table(trace_dir, "served"))
+    steps = table_to_rows("steps", read_table(trace_dir, "steps"))
+    if config.get(META_FIRST_TOKEN_AT) != "delivery":
+        served = delivered(served, steps)
+    return served, steps
+
+
 @dataclass(frozen=True)
 class LoadSummary:
     load: str
@@ -225,10 +255,9 @@ def run(args) -> int:
     slo = slo_option(args.slo)
     trace = args.trace
     meta = read_meta(trace)
-    served = table_to_rows("served", read_table(trace, "served"))
+    served, steps = read_served(trace, meta.config)
     if not served:
         raise TraceError(f"{trace}: no served requests (record with --serve-concurrency or --serve-rate)")
-    steps = table_to_rows("steps", read_table(trace, "steps"))
     print(f"{trace}: {meta.models.get('pair')} in {meta.models.get('weights')}, {len(served)} served requests, "
           f"{len(steps)} steps")
     with_slo = slo is not None and slo.stated

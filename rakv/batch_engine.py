@@ -96,7 +96,7 @@ class _Request:
     prompt_logits: torch.Tensor | None = None
     moves: _ModelRounds | None = None  # set at the first token
     rounds: list = field(default_factory=list)
-    first_token_s: float | None = None
+    first_token_s: float | None = None  # when its first token was delivered: the end of the step that made it
 
 
 class BatchEngine(Engine):
@@ -115,6 +115,7 @@ class BatchEngine(Engine):
                                    self.store.index.evict_lru, pricer(timings))
         self._requests: dict[int, _Request] = {}
         self._events: list[TokenEvent] = []
+        self._undelivered: list[_Request] = []  # first tokens made this step, timed when the step delivers them
         self._target_bytes = measure_sizes(pair.target).kv_bytes_per_token
         self._draft_bytes = measure_sizes(pair.draft).kv_bytes_per_token if pair.draft is not None else 0
         self._finished = {"count": 0, "hit": 0, "prompt": 0, "rounds": 0, "accepted": 0}
@@ -191,6 +192,13 @@ class BatchEngine(Engine):
         forward_s = time.perf_counter() - forward_start_s
         for work, req, proposal, rows in zip(works, reqs, proposals, logits):
             self._advance(work, req, proposal, rows)
+        # a first token reaches its client with the step's other tokens, not when it was made (an
+        # exact repeat's at its admission, before the step ran): its TTFT counts to here, as the
+        # server's and the simulator's do
+        delivered_s = time.perf_counter()
+        for req in self._undelivered:
+            req.first_token_s = delivered_s
+        self._undelivered = []
         for seq in list(self.scheduler.running):
             req = self._requests[seq.request_id]
             if req.moves is not None and req.seq.t >= req.moves.end:
@@ -290,7 +298,7 @@ class BatchEngine(Engine):
         req.prompt_logits = logits
         req.tokens += greedy(logits[None])
         req.seq.num_tokens = len(req.tokens)
-        req.first_token_s = time.perf_counter()
+        self._undelivered.append(req)
         req.moves = _ModelRounds(req.decision.planner, req.seq.max_new_tokens, self.pair, req.target_cache, req.drafters,
                                  req.tokens, req.seq.num_prompt, logits)
         req.seq.moves = req.moves

@@ -40,7 +40,7 @@ from typing import Sequence
 from profiler.arrivals import arrivals_s
 from profiler.schema import StepRow, TraceError, table_to_rows
 from profiler.serve_record import Load
-from profiler.serve_summary import LoadLatencies, Percentiles, load_latencies, served_times
+from profiler.serve_summary import LoadLatencies, Percentiles, load_latencies, read_served, served_times
 from profiler.trace_io import read_table
 from rakv.cli import run_cli
 from rakv.controller import Policy
@@ -56,10 +56,12 @@ from simulator.trace import RecordedRequest, Trace, load_trace
 
 
 def recorded_table(trace: Trace, table: str) -> dict[tuple[str, str], list]:
-    """A serving table's rows (``steps`` in step order, ``served`` in finish order) by
-    (load, policy); a one-line TraceError where the trace was not recorded under load."""
+    """A serving table's rows (``steps`` in step order, ``served`` in finish order, first
+    tokens at their delivery: ``profiler.serve_summary.read_served``) by (load, policy); a
+    one-line TraceError where the trace was not recorded under load."""
     try:
-        rows = table_to_rows(table, read_table(trace.path, table))
+        rows = (read_served(trace.path, trace.meta.config)[0] if table == "served"
+                else table_to_rows(table, read_table(trace.path, table)))
     except TraceError:
         rows = []
     if not rows:

@@ -212,6 +212,33 @@ def test_a_repeat_hits_a_prompt_still_running(tiny_pair):
         assert results[first].reused_tokens == 0
 
 
+def test_a_first_token_counts_from_the_end_of_the_step_that_delivers_it(tiny_pair, monkeypatch):
+    """An exact repeat's first token is made at its admission, from the stored logits, but
+    reaches its client with the step's other tokens: its TTFT counts to after the step's
+    forward (as the server's and the simulator's), not to its admission before it."""
+    import rakv.batch_engine
+    forward_ends = []
+
+    def timed_forward(*args, **kwargs):
+        logits = real_forward(*args, **kwargs)
+        forward_ends.append(rakv.batch_engine.time.perf_counter())
+        return logits
+    real_forward = rakv.batch_engine.forward_many
+    monkeypatch.setattr(rakv.batch_engine, "forward_many", timed_forward)
+    prompt = tiny_pair.encode(TEXTS[2])
+    engine = BatchEngine(tiny_pair, make_policy("kv-only"), store=KVStore(StoreConfig(early_prompts=True)))
+    first = engine.submit(prompt, 20)
+    engine.step()  # its prefill: the prompt is kept
+    repeat = engine.submit(prompt, 20)
+    engine.step()  # the repeat's admission (its first token) and the first's decode
+    assert engine.scheduler.running[-1].request_id == repeat
+    assert engine._requests[repeat].first_token_s >= forward_ends[-1]
+    results = {}
+    while engine.has_work():
+        results.update((e.request_id, e.result) for e in engine.step() if e.finished)
+    assert results[repeat].reused_tokens == len(prompt) and results[first].reused_tokens == 0
+
+
 def test_requests_that_can_never_run_are_one_line_errors(tiny_pair):
     engine = BatchEngine(tiny_pair, make_policy("ar"), batch=BatchConfig(memory_budget_bytes=1000))
     with pytest.raises(RequestError, match="over the memory budget"):

@@ -13,7 +13,7 @@ import profiler.serve_record
 from profiler.serve_record import Load
 from profiler import serve_summary
 from profiler.record import main, parse_args
-from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, table_to_rows
+from profiler.schema import KEY_COLUMNS, META_DECISION_INPUTS, META_FIRST_TOKEN_AT, ServedRow, StepRow, table_to_rows
 from profiler.trace_io import final_path, read_meta, read_table
 
 SERVE = ["--pair", "tiny", "--workload", "fixture-chat", "--max-new-tokens", "16", "--grid", "serving",
@@ -203,3 +203,40 @@ def test_a_load_is_read_back_from_its_label():
         assert Load.of_label(load.label) == load and load.value == value
     with pytest.raises(ValueError, match="a load is c=N or rate=R, got 'qps=2'"):
         Load.of_label("qps=2")
+
+
+def test_a_recording_times_first_tokens_at_their_delivery(trace):
+    """Today's recordings say so in their config; each first token comes after a step's
+    forward and before the next step starts, and reads back as recorded."""
+    config = read_meta(trace).config
+    assert config[META_FIRST_TOKEN_AT] == "delivery"
+    served, steps = serve_summary.read_served(trace, config)
+    assert served == rows(trace, "served")
+    by_run = defaultdict(list)
+    for step in steps:
+        by_run[step.load, step.policy].append(step)
+    for row in served:
+        run = by_run[row.load, row.policy]
+        nexts = [s.start_s for s in run[1:]] + [float("inf")]
+        assert any(s.start_s + s.propose_s + s.forward_s <= row.first_token_s <= after
+                   for s, after in zip(run, nexts))
+
+
+def test_an_older_recordings_first_tokens_move_to_the_end_of_the_step_that_delivered_them():
+    def step(i):
+        return StepRow(load="c=2", policy="kv-only", step=i, start_s=1.0 * i, seconds=0.5, propose_s=0.0,
+                       forward_s=0.4, request_ids=[0], kinds=["decode"], rows=[1], num_cached=[9], drafters=[""],
+                       ks=[0])
+
+    def served(request_id, first_token_s, finish_s):
+        return ServedRow(load="c=2", policy="kv-only", request_id=request_id, arrival_s=0.0, admitted_s=0.0,
+                         first_token_s=first_token_s, finish_s=finish_s, num_preemptions=0, r=1, drafter="", k=0,
+                         hit_tokens=9, reused_tokens=9, output_ids=[1, 2], identical_to_ar=True, start_per_round=[],
+                         drafter_per_round=[], accepted_per_round=[], k_per_round=[], proposed_per_round=[])
+    steps = [step(i) for i in range(3)]
+    rows_in = [served(0, 1.0001, 2.49),  # an exact repeat, timed at its admission before step 1 ran
+               served(1, 0.45, 0.49),  # made after step 0's forward, finished in the same step
+               served(2, 2.5, 2.5),  # at step 2's end already
+               served(3, 3.2, 3.3)]  # after the last step: as recorded
+    got = [r.first_token_s for r in serve_summary.delivered(rows_in, steps)]
+    assert got == [1.5, 0.49, 2.5, 3.2]
