@@ -169,19 +169,21 @@ def served_times(rows: list[ServedRow]) -> list[tuple[float, float, float, int]]
 
 def delivered(served: list[ServedRow], steps: list[StepRow]) -> list[ServedRow]:
     """Served rows of a recording that timed a first token when it was made (no
-    ``META_FIRST_TOKEN_AT`` in its config), each first token moved to the end of the recorded
-    step that delivered it: the first of its load and policy to end at or after it was
-    made (never past the request's finish, which that step also timed). The engine
-    streams a step's tokens when the step ends, and an exact repeat's first token, made
-    at its admission, was timed before that step ran: its TTFT was short by a step."""
-    ends_s: dict[tuple[str, str], list[float]] = defaultdict(list)
+    ``META_FIRST_TOKEN_AT`` in its config), each first token moved to the end of the
+    recorded step that delivered it: the last of its load and policy to start at or
+    before it was made (a step starts before its admissions), never past the request's
+    finish, which that step also timed. The engine streams a step's tokens when the step
+    ends, and an exact repeat's first token, made at its admission, was timed before that
+    step ran: its TTFT was short by a step."""
+    runs: dict[tuple[str, str], list[StepRow]] = defaultdict(list)
     for step in sorted(steps, key=lambda s: (s.load, s.policy, s.step)):
-        ends_s[step.load, step.policy].append(step.start_s + step.seconds)
+        runs[step.load, step.policy].append(step)
+    starts_s = {key: [s.start_s for s in run] for key, run in runs.items()}
     moved = []
     for row in served:
-        ends = ends_s.get((row.load, row.policy), [])
-        i = bisect.bisect_left(ends, row.first_token_s)
-        end_s = ends[i] if i < len(ends) else row.first_token_s
+        key = (row.load, row.policy)
+        i = bisect.bisect_right(starts_s.get(key, []), row.first_token_s) - 1
+        end_s = runs[key][i].start_s + runs[key][i].seconds if i >= 0 else row.first_token_s
         moved.append(replace(row, first_token_s=min(max(end_s, row.first_token_s), row.finish_s)))
     return moved
 

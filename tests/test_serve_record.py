@@ -237,6 +237,7 @@ def test_an_older_recordings_first_tokens_move_to_the_end_of_the_step_that_deliv
     rows_in = [served(0, 1.0001, 2.49),  # an exact repeat, timed at its admission before step 1 ran
                served(1, 0.45, 0.49),  # made after step 0's forward, finished in the same step
                served(2, 2.5, 2.5),  # at step 2's end already
-               served(3, 3.2, 3.3)]  # after the last step: as recorded
+               served(3, 1.5002, 2.9),  # made in step 1, timed just past its recorded end: step 1's still
+               served(4, 3.2, 3.3)]  # after the last step: that step's
     got = [r.first_token_s for r in serve_summary.delivered(rows_in, steps)]
-    assert got == [1.5, 0.49, 2.5, 3.2]
+    assert got == [1.5, 0.49, 2.5, 1.5002, 3.2]
