@@ -183,7 +183,8 @@ def fit_serving_costs(trace: Trace, steps: dict | None = None, leave_out: str | 
         num_equal = compare_steps(steps[key], replayed[key]).num_equal
         fitted += [(row, step, speeds.get(key, 1.0)) for row, step in zip(steps[key], replayed[key][:num_equal])]
     return fit_step_costs(trace.ops, [Composition.of(row) for row, _, _ in fitted],
-                          [row.seconds / speed for row, _, speed in fitted], [step.draft_rows for _, step, _ in fitted])
+                          [row.seconds / speed for row, _, speed in fitted], [step.draft_rows for _, step, _ in fitted],
+                          [row.forward_s / speed for row, _, speed in fitted])
 
 
 def replayed_steps(trace: Trace, steps: dict[tuple[str, str], list[StepRow]]) -> dict[tuple[str, str], list]:

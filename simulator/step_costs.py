@@ -27,9 +27,11 @@ its own forwards, priced alike by the draft's points: the first over each drafti
 request's rows its draft cache lacks (its catch-up: the tokens since its last round, the
 whole prompt at its first; one row where not given), the j-th after it over one row of
 each request whose proposal is longer than j (a round's proposal is its verification's
-rows less one). What the points do not see
-(Python per step and per work) is ``StepOverhead``, a + b per work, fitted on recorded
-steps by least relative error, never negative.
+rows less one). What the points do not see is
+``StepOverhead``: what a prompt row costs in a step beyond the grid's prefill of as many
+rows alone (the median excess per prompt row of the recorded forwards of the steps that
+prefill), then (Python per step and per work) a + b per work, fitted on recorded steps by
+least relative error; all never negative.
 
 Each served load at its speed: the recorder probes the machine (one forward of one token
 of the target, ``profiler.run_noise.MachineSpeed``) just before each load, after waiting
@@ -144,6 +146,9 @@ def draft_rounds(composition, draft_rows: Sequence[int] = ()) -> list[tuple[int,
 class StepOverhead:
     per_step_s: float
     per_work_s: float
+    # what a prompt row adds to a step's target forward beyond the op grid's price of it
+    # (``fit_step_costs``); 0 where the steps' forwards were not given
+    per_prompt_row_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,8 @@ class StepCosts:
     def forward_s(self, composition) -> float:
         # a prefill chunk counts one logits row: the prompt's last computes one, the others none
         num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
-        return self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits) * self.speed
+        return (self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
+                + self.overhead.per_prompt_row_s * prompt_rows(composition)) * self.speed
 
     def propose_s(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
@@ -175,22 +181,36 @@ class StepCosts:
                 + (self.overhead.per_step_s + self.overhead.per_work_s * len(composition.rows)) * self.speed)
 
 
+def prompt_rows(composition) -> int:
+    """The step's prompt rows: its prefill chunks' tokens."""
+    return sum(rows for kind, rows in zip(composition.kinds, composition.rows) if kind == PREFILL)
+
+
 def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float],
-                   draft_rows: Sequence[Sequence[int]] = ()) -> StepCosts:
+                   draft_rows: Sequence[Sequence[int]] = (), forward_s: Sequence[float] = ()) -> StepCosts:
     """The op grid's forwards, and the overheads that bring them to the recorded
     ``seconds`` of ``compositions`` (each step's whole time; ``draft_rows`` per step as
-    ``draft_rounds`` takes them, or none)."""
+    ``draft_rounds`` takes them, or none). ``forward_s``: each step's target forward as
+    recorded (or none): a prompt row's price beyond the grid's is the median over the steps
+    that prefill of their forward's excess per prompt row, never negative. A prompt's rows
+    in a step cost more than the grid's prefill of as many alone: over the shipped serving
+    traces such steps were priced 2-7 % low, the others within 1-3 % either way (results,
+    section 40). Then the per-step and per-work overheads are fitted on the whole steps."""
     import numpy as np
     draft = fit_forward(ops, DRAFT_MODEL) if any(r.model == DRAFT_MODEL and r.op == "batch" for r in ops) else None
     costs = StepCosts(fit_forward(ops, "target"), draft)
     if not compositions:
         return costs
+    excess = [(measured - costs.forward_s(c)) / prompt_rows(c)
+              for c, measured in zip(compositions, forward_s) if prompt_rows(c)]
+    if excess:
+        costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, max(median(excess), 0.0)))
     behind = list(draft_rows) or [()] * len(compositions)
     modelled = np.array([costs.seconds(c, b) for c, b in zip(compositions, behind)])
     target = np.array(seconds, dtype=float)
     design = np.array([[1.0, len(c.rows)] for c in compositions])
     fixed, per_work = least_relative_error(design, target - modelled, target)
-    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work))
+    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work, costs.overhead.per_prompt_row_s))
 
 
 @dataclass(frozen=True)

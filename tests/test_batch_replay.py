@@ -84,6 +84,30 @@ def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
     assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
 
 
+
+def test_a_prompt_row_is_priced_at_what_the_recorded_forwards_add_to_the_grid():
+    """Steps that prefill ran their forwards 0.5 ms a prompt row above the grid's price (one
+    step at 3 ms, an outlier the median leaves out): the fit prices a prompt row at that,
+    the step's other rows as the grid does, and the overheads on what is left; with no
+    forwards given, or forwards the grid prices exactly, nothing is added."""
+    from rakv.scheduler import Composition
+    def seconds(b, r, c):
+        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
+           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
+    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    steps = [Composition((1, 2), ("prefill", "decode"), (n, 1), (0, 200), ("", ""), (0, 0)) for n in (4, 8, 16)]
+    steps += [Composition((1, 2), ("decode", "decode"), (1, 1), (40, 200), ("", ""), (0, 0))] * 3
+    grid = fit_step_costs(ops, [], [])
+    forwards = [grid.forward_s(c) + (0.003 if i == 0 else 0.0005) * c.rows[0] * (c.kinds[0] == "prefill")
+                for i, c in enumerate(steps)]
+    costs = fit_step_costs(ops, steps, [f + 0.004 for f in forwards], forward_s=forwards)
+    assert costs.overhead.per_prompt_row_s == pytest.approx(0.0005)
+    assert [costs.forward_s(c) for c in steps[1:]] == pytest.approx(forwards[1:])
+    assert costs.overhead.per_step_s + 2 * costs.overhead.per_work_s == pytest.approx(0.004, rel=0.01)
+    for given in ((), [grid.forward_s(c) for c in steps]):
+        assert fit_step_costs(ops, steps, forwards, forward_s=given).overhead.per_prompt_row_s == 0.0
+
 def test_a_grid_point_above_its_longer_contexts_is_taken_as_noise():
     """More cached positions never cost less: a point after the smallest context that
     measured above the same point after the largest is priced as that one (a Qwen
@@ -181,8 +205,10 @@ def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded,
     usual = steps[first][0].probe_s
 
     def slowed(factor: float) -> dict:  # the second load run (and probed) ``factor`` times slower
-        return {key: [replace(r, probe_s=usual * (factor if key == second else 1.0),
-                              seconds=r.seconds * (factor if key == second else 1.0)) for r in rows]
+        def scale(key):
+            return factor if key == second else 1.0
+        return {key: [replace(r, probe_s=usual * scale(key), seconds=r.seconds * scale(key),
+                              forward_s=r.forward_s * scale(key)) for r in rows]
                 for key, rows in steps.items()}
     speeds = load_speeds(slowed(1.2))
     assert speeds[first] == 1.0 and speeds[second] == pytest.approx(1.2)
@@ -192,6 +218,7 @@ def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded,
         recorded, slowed(1.2))
     assert slow.overhead.per_step_s == pytest.approx(as_usual.overhead.per_step_s, abs=1e-9)
     assert slow.overhead.per_work_s == pytest.approx(as_usual.overhead.per_work_s, abs=1e-9)
+    assert slow.overhead.per_prompt_row_s == pytest.approx(as_usual.overhead.per_prompt_row_s, abs=1e-12)
     step = serve_validate.replayed_steps(recorded, {second: steps[second]})[second][0]
     assert replace(slow, speed=1.2).seconds(step.composition) == pytest.approx(1.2 * slow.seconds(step.composition))
     assert serve_validate.main(["--trace", str(recorded.path)]) == 0
