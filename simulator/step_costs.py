@@ -28,10 +28,14 @@ request's rows its draft cache lacks (its catch-up: the tokens since its last ro
 whole prompt at its first; one row where not given), the j-th after it over one row of
 each request whose proposal is longer than j (a round's proposal is its verification's
 rows less one). What the points do not see is
-``StepOverhead``: what a prompt row costs in a step beyond the grid's prefill of as many
-rows alone (the median excess per prompt row of the recorded forwards of the steps that
-prefill), then (Python per step and per work) a + b per work, fitted on recorded steps by
-least relative error; all never negative.
+``StepOverhead``: the logits rows no point holds (a chunk computes one, so a verification
+of 17 rows after the 16-row chunk point brings 16 the rows curve lacks; a further request
+is priced by points of at most 5 rows each: ``ForwardCosts.unpriced_logits``), at the
+median excess per such row of the recorded forwards of the steps that have them; what a
+prompt row costs in a step beyond the grid's prefill of as many rows alone (the median
+excess per prompt row of the recorded forwards of the steps that prefill); then (Python
+per step and per work) a + b per work, fitted on recorded steps by least relative error;
+all never negative.
 
 Each served load at its speed: the recorder probes the machine (one forward of one token
 of the target, ``profiler.run_noise.MachineSpeed``) just before each load, after waiting
@@ -68,6 +72,19 @@ class ForwardCosts:
     per_request: Surface | None  # (logits rows each, requests) -> seconds; None: one-request grid only
     max_rows_each: float  # the grid's most rows each: per_request is held there beyond it
     per_position: float
+    logits_rows: Curve | None = None  # total rows -> the logits rows ``rows`` holds there (None: every row's)
+
+    def unpriced_logits(self, num_works: int, total: int, num_logits: int) -> float:
+        """Of a forward's ``num_logits`` logits rows, those its price leaves out: ``rows``
+        holds a logits row for each of its points' (every row of a batched point, one of a
+        chunk or a prefill), and each further request's cost those of up to
+        ``max_rows_each`` rows."""
+        if self.logits_rows is None:
+            return 0.0
+        priced = self.logits_rows(total)
+        if num_works > 1 and self.per_request is not None:
+            priced = max(priced, min(num_logits, num_works * self.max_rows_each))
+        return max(num_logits - priced, 0.0)
 
     def seconds(self, works: Sequence[tuple[int, int]], num_logits: int | None = None) -> float:
         """A forward over works of (rows, cached positions) computing ``num_logits`` logits
@@ -112,6 +129,7 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
         seconds = median(batched[b, r, low])
         return min(seconds, median(batched[b, r, high])) if (b, r, high) in batched else seconds
     points: dict[float, list[float]] = defaultdict(list)
+    every_row = {r for (b, r, _) in batched if b > 1}  # rows the grid batches: its points' every row's logits
     for (b, r, c) in batched:
         if c == low and b == 1:
             points[r].append(at_low(b, r) - per_position * r * c)
@@ -124,11 +142,12 @@ def fit_forward(ops: Sequence[OpRow], model: str) -> ForwardCosts:
         top = max(top, median(points[x]))
         ys.append(top)
     rows = Curve(tuple(float(x) for x in xs), tuple(ys))
+    logits = Curve(rows.xs, tuple(float(x) if x in every_row else 1.0 for x in xs))
     added = {(r, b): [max((at_low(b, r) - per_position * b * r * low - rows(b * r)) / (b - 1), 0.0)]
              for (b, r, c) in batched if c == low and b > 1}
     if not added:
-        return ForwardCosts(rows, None, 0.0, per_position)
-    return ForwardCosts(rows, surface(added), float(max(r for r, _ in added)), per_position)
+        return ForwardCosts(rows, None, 0.0, per_position, logits)
+    return ForwardCosts(rows, surface(added), float(max(r for r, _ in added)), per_position, logits)
 
 
 def draft_rounds(composition, draft_rows: Sequence[int] = ()) -> list[tuple[int, int, int]]:
@@ -149,6 +168,9 @@ class StepOverhead:
     # what a prompt row adds to a step's target forward beyond the op grid's price of it
     # (``fit_step_costs``); 0 where the steps' forwards were not given
     per_prompt_row_s: float = 0.0
+    # what a logits row the grid's points leave out adds (``ForwardCosts.unpriced_logits``):
+    # the head's row, 3.2 ms on a Zen 4 core (Qwen's 151,936 words), fitted alike
+    per_logits_row_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -164,7 +186,9 @@ class StepCosts:
         # a prefill chunk counts one logits row: the prompt's last computes one, the others none
         num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
         return (self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
-                + self.overhead.per_prompt_row_s * prompt_rows(composition)) * self.speed
+                + self.overhead.per_prompt_row_s * prompt_rows(composition)
+                + self.overhead.per_logits_row_s * self.target.unpriced_logits(
+                    len(composition.rows), sum(composition.rows), num_logits)) * self.speed
 
     def propose_s(self, composition, draft_rows: Sequence[int] = ()) -> float:
         """The draft model's forwards for the step's draft-model rounds (none: 0)."""
@@ -191,26 +215,37 @@ def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequen
     """The op grid's forwards, and the overheads that bring them to the recorded
     ``seconds`` of ``compositions`` (each step's whole time; ``draft_rows`` per step as
     ``draft_rounds`` takes them, or none). ``forward_s``: each step's target forward as
-    recorded (or none): a prompt row's price beyond the grid's is the median over the steps
-    that prefill of their forward's excess per prompt row, never negative. A prompt's rows
-    in a step cost more than the grid's prefill of as many alone: over the shipped serving
-    traces such steps were priced 2-7 % low, the others within 1-3 % either way (results,
-    section 40). Then the per-step and per-work overheads are fitted on the whole steps."""
+    recorded (or none), from which two prices beyond the grid's, each a median, never
+    negative: a logits row the grid leaves out (``ForwardCosts.unpriced_logits``), over the
+    steps that prefill nothing and have such rows, of their forward's excess per row (a
+    verification of 17 rows, a store round of 16, was priced 21 % low on a Zen 4); then a
+    prompt row, over the steps that prefill, of their forward's excess per prompt row (a
+    prompt's rows in a step cost more than the grid's prefill of as many alone: over the
+    shipped serving traces such steps were priced 2-7 % low, the others within 1-3 % either
+    way). Results, section 40. Then the per-step and per-work overheads are fitted on the
+    whole steps."""
     import numpy as np
     draft = fit_forward(ops, DRAFT_MODEL) if any(r.model == DRAFT_MODEL and r.op == "batch" for r in ops) else None
     costs = StepCosts(fit_forward(ops, "target"), draft)
     if not compositions:
         return costs
+    # the logits rows first, on the steps that prefill nothing (every row of theirs computes one)
+    unpriced = [costs.target.unpriced_logits(len(c.rows), sum(c.rows), sum(c.rows)) for c in compositions]
+    excess = [(measured - costs.forward_s(c)) / n for c, measured, n in zip(compositions, forward_s, unpriced)
+              if n > 0 and not prompt_rows(c)]
+    per_logits = max(median(excess), 0.0) if excess else 0.0
+    costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, 0.0, per_logits))
     excess = [(measured - costs.forward_s(c)) / prompt_rows(c)
               for c, measured in zip(compositions, forward_s) if prompt_rows(c)]
     if excess:
-        costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, max(median(excess), 0.0)))
+        costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, max(median(excess), 0.0), per_logits))
     behind = list(draft_rows) or [()] * len(compositions)
     modelled = np.array([costs.seconds(c, b) for c, b in zip(compositions, behind)])
     target = np.array(seconds, dtype=float)
     design = np.array([[1.0, len(c.rows)] for c in compositions])
     fixed, per_work = least_relative_error(design, target - modelled, target)
-    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work, costs.overhead.per_prompt_row_s))
+    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work, costs.overhead.per_prompt_row_s,
+                                                             costs.overhead.per_logits_row_s))
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,30 @@ def test_a_prompt_row_is_priced_at_what_the_recorded_forwards_add_to_the_grid():
     for given in ((), [grid.forward_s(c) for c in steps]):
         assert fit_step_costs(ops, steps, forwards, forward_s=given).overhead.per_prompt_row_s == 0.0
 
+
+def test_a_logits_row_no_grid_point_holds_is_priced_at_what_the_recorded_forwards_add():
+    """The grid's 1- and 2-row points compute every row's logits, its prefills one: a
+    verification of 9 or 17 rows after them has 8 or 16 logits rows the rows curve lacks,
+    two requests of 17 rows 30 beyond the further request's points of 2 rows each. Steps
+    whose forwards ran 3 ms a missing row above the grid fit 3 ms; a decode has none."""
+    from rakv.scheduler import Composition
+    def seconds(b, r, c):
+        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
+           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
+    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    grid = fit_step_costs(ops, [], [])
+    assert [grid.target.unpriced_logits(b, sum(rows), sum(rows)) for b, rows in ((1, (9,)), (1, (17,)), (2, (17, 17)),
+                                                                               (2, (1, 1)), (1, (2,)))] == [8, 16, 30, 0, 0]
+    steps = [Composition(tuple(range(len(rows))), ("verify",) * len(rows), rows, (100,) * len(rows), ("suffix",) * len(rows),
+                         tuple(r - 1 for r in rows)) for rows in ((9,), (17,), (13,), (17, 17))]
+    steps.append(Composition((0,), ("decode",), (1,), (100,), ("",), (0,)))
+    forwards = [grid.forward_s(c) + 0.003 * grid.target.unpriced_logits(len(c.rows), sum(c.rows), sum(c.rows))
+                for c in steps]
+    costs = fit_step_costs(ops, steps, forwards, forward_s=forwards)
+    assert costs.overhead.per_logits_row_s == pytest.approx(0.003)
+    assert [costs.forward_s(c) for c in steps] == pytest.approx(forwards)
+
 def test_a_grid_point_above_its_longer_contexts_is_taken_as_noise():
     """More cached positions never cost less: a point after the smallest context that
     measured above the same point after the largest is priced as that one (a Qwen
@@ -219,6 +243,7 @@ def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded,
     assert slow.overhead.per_step_s == pytest.approx(as_usual.overhead.per_step_s, abs=1e-9)
     assert slow.overhead.per_work_s == pytest.approx(as_usual.overhead.per_work_s, abs=1e-9)
     assert slow.overhead.per_prompt_row_s == pytest.approx(as_usual.overhead.per_prompt_row_s, abs=1e-12)
+    assert slow.overhead.per_logits_row_s == pytest.approx(as_usual.overhead.per_logits_row_s, abs=1e-12)
     step = serve_validate.replayed_steps(recorded, {second: steps[second]})[second][0]
     assert replace(slow, speed=1.2).seconds(step.composition) == pytest.approx(1.2 * slow.seconds(step.composition))
     assert serve_validate.main(["--trace", str(recorded.path)]) == 0
