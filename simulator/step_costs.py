@@ -51,7 +51,7 @@ streams the weights, as the probe does. Over three ShareGPT recordings past the 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 from typing import Sequence
 
@@ -183,8 +183,7 @@ class StepCosts:
     speed: float = 1.0
 
     def forward_s(self, composition) -> float:
-        # a prefill chunk counts one logits row: the prompt's last computes one, the others none
-        num_logits = sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
+        num_logits = logits_rows(composition)
         return (self.target.seconds(list(zip(composition.rows, composition.num_cached)), num_logits)
                 + self.overhead.per_prompt_row_s * prompt_rows(composition)
                 + self.overhead.per_logits_row_s * self.target.unpriced_logits(
@@ -210,6 +209,12 @@ def prompt_rows(composition) -> int:
     return sum(rows for kind, rows in zip(composition.kinds, composition.rows) if kind == PREFILL)
 
 
+def logits_rows(composition) -> int:
+    """The logits rows of the step's target forward: every row of a decode or a
+    verification, one of a prefill chunk (the prompt's last computes one, the others none)."""
+    return sum(1 if kind == PREFILL else rows for kind, rows in zip(composition.kinds, composition.rows))
+
+
 def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequence[float],
                    draft_rows: Sequence[Sequence[int]] = (), forward_s: Sequence[float] = ()) -> StepCosts:
     """The op grid's forwards, and the overheads that bring them to the recorded
@@ -229,23 +234,22 @@ def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequen
     costs = StepCosts(fit_forward(ops, "target"), draft)
     if not compositions:
         return costs
-    # the logits rows first, on the steps that prefill nothing (every row of theirs computes one)
-    unpriced = [costs.target.unpriced_logits(len(c.rows), sum(c.rows), sum(c.rows)) for c in compositions]
-    excess = [(measured - costs.forward_s(c)) / n for c, measured, n in zip(compositions, forward_s, unpriced)
-              if n > 0 and not prompt_rows(c)]
-    per_logits = max(median(excess), 0.0) if excess else 0.0
-    costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, 0.0, per_logits))
+    # the logits rows first, on the steps that prefill nothing, then the prompt rows
+    plain = [(c, measured, costs.target.unpriced_logits(len(c.rows), sum(c.rows), logits_rows(c)))
+             for c, measured in zip(compositions, forward_s) if not prompt_rows(c)]
+    excess = [(measured - costs.forward_s(c)) / n for c, measured, n in plain if n > 0]
+    per_logits_row_s = max(median(excess), 0.0) if excess else 0.0
+    costs = replace(costs, overhead=replace(costs.overhead, per_logits_row_s=per_logits_row_s))
     excess = [(measured - costs.forward_s(c)) / prompt_rows(c)
               for c, measured in zip(compositions, forward_s) if prompt_rows(c)]
     if excess:
-        costs = StepCosts(costs.target, draft, StepOverhead(0.0, 0.0, max(median(excess), 0.0), per_logits))
+        costs = replace(costs, overhead=replace(costs.overhead, per_prompt_row_s=max(median(excess), 0.0)))
     behind = list(draft_rows) or [()] * len(compositions)
     modelled = np.array([costs.seconds(c, b) for c, b in zip(compositions, behind)])
     target = np.array(seconds, dtype=float)
     design = np.array([[1.0, len(c.rows)] for c in compositions])
     fixed, per_work = least_relative_error(design, target - modelled, target)
-    return StepCosts(costs.target, costs.draft, StepOverhead(fixed, per_work, costs.overhead.per_prompt_row_s,
-                                                             costs.overhead.per_logits_row_s))
+    return replace(costs, overhead=replace(costs.overhead, per_step_s=fixed, per_work_s=per_work))
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,22 @@ def test_a_step_that_differs_is_named(recorded):
     assert check.first_difference == f"{len(rows)} steps replayed, {len(rows) + 1} recorded"
 
 
+def exact_seconds(b: int, r: int, c: int) -> float:
+    """A forward of b requests of r rows after c positions on a grid timed exactly so."""
+    return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
+
+
+def exact_grid() -> list[OpRow]:
+    """Batched points of 1, 2 and 4 requests of 1 and 2 rows after 128 and 512 positions,
+    three repeats each, and prefills of 4 and 16 tokens, all at ``exact_seconds``."""
+    ops = [OpRow("target", "batch", r, c, 0, 0, i, exact_seconds(b, r, c), num_requests=b)
+           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
+    return ops + [OpRow("target", "prefill", n, 0, 0, 0, 0, exact_seconds(1, n, 0)) for n in (4, 16)]
+
+
 def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
     """On a grid whose times are rows, requests and positions exactly, a mixed step is priced exactly."""
-    def seconds(b, r, c):
-        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
-    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
-           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
-    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    ops = exact_grid()
     forward = fit_forward(ops, "target")
     assert forward.per_request(1, 2) == pytest.approx(0.002) == forward.per_request(2, 4)
     assert forward.per_position == pytest.approx(1e-6)
@@ -84,18 +93,13 @@ def test_a_forward_is_priced_by_its_rows_requests_and_contexts():
     assert costs.draft is None and costs.overhead.per_step_s == costs.overhead.per_work_s == 0.0
 
 
-
 def test_a_prompt_row_is_priced_at_what_the_recorded_forwards_add_to_the_grid():
     """Steps that prefill ran their forwards 0.5 ms a prompt row above the grid's price (one
     step at 3 ms, an outlier the median leaves out): the fit prices a prompt row at that,
     the step's other rows as the grid does, and the overheads on what is left; with no
     forwards given, or forwards the grid prices exactly, nothing is added."""
     from rakv.scheduler import Composition
-    def seconds(b, r, c):
-        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
-    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
-           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
-    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    ops = exact_grid()
     steps = [Composition((1, 2), ("prefill", "decode"), (n, 1), (0, 200), ("", ""), (0, 0)) for n in (4, 8, 16)]
     steps += [Composition((1, 2), ("decode", "decode"), (1, 1), (40, 200), ("", ""), (0, 0))] * 3
     grid = fit_step_costs(ops, [], [])
@@ -115,16 +119,13 @@ def test_a_logits_row_no_grid_point_holds_is_priced_at_what_the_recorded_forward
     two requests of 17 rows 30 beyond the further request's points of 2 rows each. Steps
     whose forwards ran 3 ms a missing row above the grid fit 3 ms; a decode has none."""
     from rakv.scheduler import Composition
-    def seconds(b, r, c):
-        return 0.1 + 0.01 * b * r + 0.002 * (b - 1) + 1e-6 * b * r * c
-    ops = [OpRow("target", "batch", r, c, 0, 0, i, seconds(b, r, c), num_requests=b)
-           for b in (1, 2, 4) for r in (1, 2) for c in (128, 512) for i in range(3)]
-    ops += [OpRow("target", "prefill", n, 0, 0, 0, 0, seconds(1, n, 0)) for n in (4, 16)]
+    ops = exact_grid()
     grid = fit_step_costs(ops, [], [])
-    assert [grid.target.unpriced_logits(b, sum(rows), sum(rows)) for b, rows in ((1, (9,)), (1, (17,)), (2, (17, 17)),
-                                                                               (2, (1, 1)), (1, (2,)))] == [8, 16, 30, 0, 0]
-    steps = [Composition(tuple(range(len(rows))), ("verify",) * len(rows), rows, (100,) * len(rows), ("suffix",) * len(rows),
-                         tuple(r - 1 for r in rows)) for rows in ((9,), (17,), (13,), (17, 17))]
+    shapes = ((1, (9,)), (1, (17,)), (2, (17, 17)), (2, (1, 1)), (1, (2,)))
+    assert [grid.target.unpriced_logits(b, sum(rows), sum(rows)) for b, rows in shapes] == [8, 16, 30, 0, 0]
+    steps = [Composition(tuple(range(len(rows))), ("verify",) * len(rows), rows, (100,) * len(rows),
+                         ("suffix",) * len(rows), tuple(r - 1 for r in rows))
+             for rows in ((9,), (17,), (13,), (17, 17))]
     steps.append(Composition((0,), ("decode",), (1,), (100,), ("",), (0,)))
     forwards = [grid.forward_s(c) + 0.003 * grid.target.unpriced_logits(len(c.rows), sum(c.rows), sum(c.rows))
                 for c in steps]
