@@ -188,11 +188,14 @@ def delivered(served: list[ServedRow], steps: list[StepRow]) -> list[ServedRow]:
     return moved
 
 
-def read_served(trace_dir: Path, config: dict) -> tuple[list[ServedRow], list[StepRow]]:
+def read_served(trace_dir: Path, config: dict, steps: list[StepRow] | None = None
+                ) -> tuple[list[ServedRow], list[StepRow]]:
     """A serving trace's served rows, first tokens at their delivery (``delivered``, for
-    a recording made before the engine timed them so), and its steps."""
+    a recording made before the engine timed them so), and its steps (``steps``: those
+    already read, else read here)."""
     served = table_to_rows("served", read_table(trace_dir, "served"))
-    steps = table_to_rows("steps", read_table(trace_dir, "steps"))
+    if steps is None:
+        steps = table_to_rows("steps", read_table(trace_dir, "steps"))
     if config.get(META_FIRST_TOKEN_AT) != "delivery":
         served = delivered(served, steps)
     return served, steps

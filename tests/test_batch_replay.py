@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from profiler.record import main as record
+from profiler.serve_summary import load_latencies
 from rakv.op_timing import OpRow
 from simulator import serve_validate
 from simulator.serve_sim import run_load
@@ -249,6 +250,29 @@ def test_a_load_run_on_a_slow_machine_is_named_and_priced_at_its_speed(recorded,
     assert replace(slow, speed=1.2).seconds(step.composition) == pytest.approx(1.2 * slow.seconds(step.composition))
     assert serve_validate.main(["--trace", str(recorded.path)]) == 0
     assert "| the machine, slower % |" in capsys.readouterr().out
+
+
+def test_a_load_is_also_replayed_at_its_own_pace(recorded, capsys):
+    """A machine that slows during a load, which no probe before and after it sees: the
+    load's steps' recorded seconds over their price is its pace, and the replay at that
+    pace (out of sample) sets the replay's own error apart from the machine's."""
+    steps = serve_validate.recorded_table(recorded, "steps")
+    key = next(iter(steps))
+    replayed = serve_validate.replayed_steps(recorded, {key: steps[key]})[key]
+    costs = replace(serve_validate.fit_serving_costs(recorded, steps, key[0]), speed=load_speeds(steps)[key])
+    pace = serve_validate.own_pace(costs, steps[key], replayed)
+    assert pace > 0
+    slowed = [replace(r, seconds=1.3 * r.seconds) for r in steps[key]]
+    assert serve_validate.own_pace(costs, slowed, replayed) == pytest.approx(1.3 * pace)
+    assert serve_validate.own_pace(costs, [], []) is None
+    [row] = [r for r in serve_validate.validate_serving(recorded) if (r.load, r.policy) == key]
+    assert row.pace == pytest.approx(pace)
+    again = serve_validate.ServingReplay(recorded).replay(*key, replace(costs, speed=costs.speed * pace))
+    assert row.at_pace == load_latencies(again.times())
+    assert serve_validate.main(["--trace", str(recorded.path)]) == 0
+    out = capsys.readouterr().out
+    assert "| its steps, slower % |" in out and "| at its pace: TTFT |" in out
+    assert re.search(r"out of sample at each load's own pace .* \d+\.$", out.rstrip())
 
 
 def test_a_probed_load_replays_at_its_speed_as_serve_validate_prices_it(recorded, capsys):
