@@ -8,8 +8,11 @@ their prefix families.
 
 Goal (issue #32): at least 5,000 requests/s at batch 8 for ``rakv`` and ``learned``. Each
 policy is timed ``--repeat`` times from a fresh replay (empty store, fresh policy) over
-the same requests, in this process, one after another; the best time is reported, as
-``timeit`` does, since on a shared machine the slower repetitions measure the other work.
+the same requests, in this process, the policies in lockstep (each repetition times every
+policy in turn, so that a slow phase of the machine falls on all of them: on a Zen 4 VM
+the same replay ran 3,119 and 5,019 requests/s twenty minutes apart); the best time is
+reported, as ``timeit`` does, since on a shared machine the slower repetitions measure the
+other work.
 The first repetition also fills the process's caches (a learned policy's compiled trees,
 each prompt's features), as a sweep's first load does for the rest: on the Xeon of
 results section 30, ``learned``'s first repetition in a fresh process ran 5,074-5,170
@@ -51,16 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     serving = ServingReplay(trace, trace.decision_inputs(Settings()), args.requests, seed=0)
     fit_s = time.perf_counter() - start
     load = Load(concurrency=args.concurrency)
-    rates, steps = {}, {}
-    for name in args.policies.split(","):
-        best_s = float("inf")
-        for _ in range(max(args.repeat, 1)):
+    names = args.policies.split(",")
+    best_s, steps, served = {name: float("inf") for name in names}, {}, {}
+    for _ in range(max(args.repeat, 1)):
+        for name in names:  # in lockstep: each repetition times every policy, so all see the same machine
             begin = time.perf_counter()
             run = serving.run(load, name, costs)
-            best_s = min(best_s, time.perf_counter() - begin)
-        rates[name], steps[name] = len(run.requests) / best_s, len(run.steps)
-        print(f"{name:10} {rates[name]:9.0f} requests/s ({steps[name]} steps, {steps[name] / best_s:.0f} steps/s)",
-              file=sys.stderr)
+            best_s[name] = min(best_s[name], time.perf_counter() - begin)
+            steps[name], served[name] = len(run.steps), len(run.requests)
+    rates = {name: served[name] / best_s[name] for name in names}
+    for name in names:
+        print(f"{name:10} {rates[name]:9.0f} requests/s ({steps[name]} steps, {steps[name] / best_s[name]:.0f} "
+              f"steps/s)", file=sys.stderr)
     result = {"trace": args.trace.name, "requests": args.requests, "concurrency": args.concurrency,
               "repeat": args.repeat, "requests_per_s": rates, "steps": steps, "fit_s": fit_s}
     if args.json:
