@@ -29,6 +29,7 @@
 # time bound the rounds); -ttft-again: the same again;
 # -avx512-knee: the same on an AMD Zen 4's avx512 path (no AMX), at 0.6 and 0.8 req/s, about that
 # machine's knee, one prompt a step and first tokens timed at delivery; -avx512-knee-again: the same again;
+# qwen-coder-sharegpt-serve-avx512-knee: ShareGPT the same way on the Zen 4, at 0.4 and 0.5 req/s;
 # qwen-coder-sharegpt-serve-amx-knee: ShareGPT the same way, at 0.8 and 1.1 req/s; -past-knee: at 1.5
 # and 1.8 req/s, past that machine's knee, draft catch-ups held out of steps that prefill; -past-knee-again:
 # the same again; -past-knee-two-learned: the same with the learned policy that leaves the store drafter
@@ -87,6 +88,7 @@ TRACES=(
   "qwen-coder-humaneval-serve-amx-knee-ttft-again|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.4,1.8 --serve-policies kv-only,joint-suffix-k1,rakv,learned --ttft-target 3"
   "qwen-coder-humaneval-serve-avx512-knee|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 0.6,0.8 --serve-policies kv-only,joint-suffix-k1,rakv,learned"
   "qwen-coder-humaneval-serve-avx512-knee-again|--pair qwen-coder --workload humaneval --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 0.6,0.8 --serve-policies kv-only,joint-suffix-k1,rakv,learned"
+  "qwen-coder-sharegpt-serve-avx512-knee|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 0.4,0.5 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-knee|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 0.8,1.1 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
   "qwen-coder-sharegpt-serve-amx-past-knee-again|--pair qwen-coder --workload sharegpt --requests 16 --max-new-tokens 48 --grid serving --skip runs --serve-resample 100 --serve-rate 1.5,1.8 --serve-policies kv-only,joint-suffix-k8,rakv,learned"
