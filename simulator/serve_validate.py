@@ -20,9 +20,10 @@ on the other loads' only (leave one load out). Imports no torch.
 
 Each load is priced at the machine's speed as its probes before and after it saw
 (``simulator.step_costs.load_speeds``), which misses how fast the machine ran during it:
-over the 310 loads of the 28 serving traces shipped on 2026-12-08 a load's recorded steps took from 28 %
-less to 27 % more than their out-of-sample price (114 of them off by more than 5 %), while
-no policy's mean was off by more than 2 %: the machine, not a policy the model misprices.
+over the 310 loads of the 28 serving traces shipped on 2026-12-08, a load's recorded
+steps took from 28 % less to 27 % more than their out-of-sample price (114 of them off by
+more than 5 %), while no policy's mean was off by more than 2 %: the machine, not a policy
+the model misprices.
 So the replay is also run at each load's own pace (``LoadFidelity.at_pace``: the
 out-of-sample costs, scaled by the load's reproduced steps' recorded seconds over their
 price): what it misses there is the replay's own error, the rest is the machine's. It

@@ -238,12 +238,12 @@ def fit_step_costs(ops: Sequence[OpRow], compositions: Sequence, seconds: Sequen
     plain = [(c, measured, costs.target.unpriced_logits(len(c.rows), sum(c.rows), logits_rows(c)))
              for c, measured in zip(compositions, forward_s) if not prompt_rows(c)]
     excess = [(measured - costs.forward_s(c)) / n for c, measured, n in plain if n > 0]
-    per_logits_row_s = max(median(excess), 0.0) if excess else 0.0
-    costs = replace(costs, overhead=replace(costs.overhead, per_logits_row_s=per_logits_row_s))
+    costs = replace(costs, overhead=replace(costs.overhead,
+                                            per_logits_row_s=max(median(excess), 0.0) if excess else 0.0))
     excess = [(measured - costs.forward_s(c)) / prompt_rows(c)
               for c, measured in zip(compositions, forward_s) if prompt_rows(c)]
-    if excess:
-        costs = replace(costs, overhead=replace(costs.overhead, per_prompt_row_s=max(median(excess), 0.0)))
+    costs = replace(costs, overhead=replace(costs.overhead,
+                                            per_prompt_row_s=max(median(excess), 0.0) if excess else 0.0))
     behind = list(draft_rows) or [()] * len(compositions)
     modelled = np.array([costs.seconds(c, b) for c, b in zip(compositions, behind)])
     target = np.array(seconds, dtype=float)
